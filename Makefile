@@ -1,0 +1,20 @@
+# Two commands for a new user: `make demo` runs the main job on the embedded stack, `make test` the tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test test-unit bench clean-local
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	$(PY) -m airflow_provider_rayllm.local demo
+
+test: setup
+	$(PY) -m pytest tests -m "not gpu" -v -p no:cacheprovider --timeout=1800 -ra
+
+test-unit: setup
+	$(PY) -m pytest tests/unit -v -p no:cacheprovider
+
+clean-local:
+	$(PY) -m airflow_provider_rayllm.local stop || true

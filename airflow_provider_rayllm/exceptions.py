@@ -1,0 +1,19 @@
+"""Errors the Airflow half raises; Airflow sees them as task failures with our message."""
+
+from airflow.sdk.exceptions import AirflowException
+
+
+class RayLLMError(AirflowException):
+    """Base class for this provider's errors."""
+
+
+class RayJobFailed(RayLLMError):
+    """The Ray job ended FAILED or STOPPED; carries Ray's message and the job's own error line."""
+
+
+class RayJobLost(RayLLMError):
+    """The Ray cluster no longer knows a job we submitted (the head restarted or the job was deleted)."""
+
+
+class InvalidSpec(RayLLMError):
+    """The operator's settings cannot make a valid job spec; raised before anything is submitted."""

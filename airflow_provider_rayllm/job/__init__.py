@@ -1,0 +1,1 @@
+"""The Ray half: a plain Ray driver program. Never imports Airflow."""

@@ -1,0 +1,217 @@
+"""``python -m airflow_provider_rayllm.job SPEC_FILE``: the Ray driver that runs one batch job.
+
+Order matters: every check that needs no engine runs first; outputs are written under this
+submission's own generation folder; the manifest is written last and is what makes the
+generation the published one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from airflow_provider_rayllm.job import io, manifest, vllm_pipeline
+from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.prompts import PRE_ERROR, STASH, RequestBuilder, load_callable
+from airflow_provider_rayllm.spec import (
+    ERROR_COLUMN,
+    ERROR_LOG_PREFIX,
+    OUTPUT_TOKENS_IN,
+    OUTPUT_TOKENS_OUT,
+    JobSpec,
+    SpecError,
+    parse_spec,
+)
+
+log = logging.getLogger("airflow_provider_rayllm.job")
+
+ENGINE_ERROR = "__inference_error__"
+# Our own row maps are light Python; at 1 CPU each they would wait behind the engine's stage actors
+# on a small cluster (and deadlock a 2-core one).
+LIGHT = {"num_cpus": 0.2}
+
+
+def _say(msg: str, *args: Any) -> None:
+    log.info(msg, *args)
+    sys.stdout.flush()
+
+
+class Shaper:
+    """Engine output row -> our output row (success) or error row; one schema each."""
+
+    def __init__(self, spec: JobSpec, package_dir: str):
+        self.output_column = spec.prompt.output_column
+        self.generate = spec.processor.task_type == "generate"
+        self.postprocess = load_callable(spec.prompt.postprocess, package_dir) if spec.prompt.postprocess else None
+
+    def output(self, row: dict[str, Any]) -> dict[str, Any]:
+        stash = dict(row[STASH] or {})
+        if self.generate:
+            value: Any = row.get("generated_text")
+        else:
+            emb = row.get("embeddings")
+            value = emb.tolist() if hasattr(emb, "tolist") else emb
+        tokens = {
+            OUTPUT_TOKENS_IN: int(row.get("num_input_tokens") or 0),
+            OUTPUT_TOKENS_OUT: int(row.get("num_generated_tokens") or 0),
+        }
+        if self.postprocess is not None:
+            view = {k: v for k, v in row.items() if not k.startswith("__")}
+            view.update(stash)
+            if not self.generate:
+                view["embeddings"] = value
+            result = self.postprocess(view)
+            if not isinstance(result, dict):
+                raise TypeError(f"postprocess returned {type(result).__name__}, not a dict")
+            return {**result, **{k: v for k, v in tokens.items() if k not in result}}
+        return {**stash, self.output_column: value, **tokens}
+
+    @staticmethod
+    def error(row: dict[str, Any], message_column: str) -> dict[str, Any]:
+        return {**dict(row[STASH] or {}), ERROR_COLUMN: str(row[message_column])}
+
+
+def _input_columns(ds: Any) -> list[str]:
+    schema = ds.schema()
+    if schema is None:
+        return []
+    return list(schema.names)
+
+
+def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
+    import ray
+
+    ray.init(log_to_driver=True)
+    started = time.time()
+    started_at = datetime.now(timezone.utc).isoformat()
+    p = spec.processor
+
+    # 1. Checks that need no engine.
+    vllm_pipeline.check_model_source(p.model_source)
+    gpus = vllm_pipeline.cluster_gpus()
+    profile = vllm_pipeline.resolve_profile(p, gpus)
+    engine_kwargs = vllm_pipeline.engine_kwargs_for(p, profile)
+    placement = vllm_pipeline.placement_for(p, profile, engine_kwargs)
+    vllm_pipeline.check_resources(p, profile, placement, gpus)
+    vllm_pipeline.check_engine_kwargs(p.model_source, engine_kwargs)
+    _say("profile %s (cluster GPUs: %g); engine_kwargs %s; placement %s", profile, gpus, engine_kwargs, placement)
+
+    files = io.expand_source(spec.source)
+    _say("source: %d file(s), format %s", len(files), spec.source.format)
+    ds = io.read_source(spec.source, files)
+    columns = _input_columns(ds)
+    missing = [c for c in spec.prompt.required_columns() if c not in columns]
+    if missing:
+        raise JobError(f"prompt needs column(s) {missing!r} that the input lacks; input columns: {columns!r}")
+    keep = spec.prompt.keep_columns if spec.prompt.keep_columns is not None else columns
+    absent = [c for c in keep if c not in columns]
+    if absent:
+        raise JobError(f"prompt.keep_columns {absent!r} are not input columns; input columns: {columns!r}")
+    clash = {spec.prompt.output_column, OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, ERROR_COLUMN} & set(keep)
+    if clash and spec.prompt.postprocess is None:
+        raise JobError(
+            f"input column(s) {sorted(clash)!r} would be overwritten by outputs; rename them, "
+            "set output_column, or limit keep_columns"
+        )
+    if spec.limits.max_rows:
+        ds = ds.limit(spec.limits.max_rows)
+
+    # 2. Rows -> requests (a row that cannot be prompted is an error row, not a crash).
+    builder = RequestBuilder(spec.prompt, p.task_type, keep, package_dir)
+    prepared = ds.map(builder, **LIGHT).materialize()
+    rows_in = prepared.count()
+    if rows_in == 0:
+        raise JobError(f"source: no rows in {spec.source.uris!r}")
+    bad_prompts = prepared.filter(lambda r: r[PRE_ERROR] != "", **LIGHT)
+    good = prepared.filter(lambda r: r[PRE_ERROR] == "", **LIGHT).materialize()
+    _say("rows in: %d", rows_in)
+
+    # 3. The engine; per-row failures come back with Ray's error column set.
+    processor = vllm_pipeline.build(p, profile, engine_kwargs, placement)
+    raw = processor(good).materialize()
+    shaper = Shaper(spec, package_dir)
+    outputs = raw.filter(lambda r: not r.get(ENGINE_ERROR), **LIGHT).map(shaper.output, **LIGHT).materialize()
+    errors = raw.filter(lambda r: bool(r.get(ENGINE_ERROR)), **LIGHT).map(lambda r: Shaper.error(r, ENGINE_ERROR), **LIGHT)
+    errors = errors.union(bad_prompts.map(lambda r: Shaper.error(r, PRE_ERROR), **LIGHT)).materialize()
+    rows_out, rows_err = outputs.count(), errors.count()
+    input_tokens = int(outputs.sum(OUTPUT_TOKENS_IN) or 0) if rows_out else 0
+    output_tokens = int(outputs.sum(OUTPUT_TOKENS_OUT) or 0) if rows_out else 0
+    _say("rows out: %d, error rows: %d, tokens in/out: %d/%d", rows_out, rows_err, input_tokens, output_tokens)
+
+    # 4. Write this generation's files; nothing is published yet.
+    gen_uri = manifest.generation_uri(spec.sink.uri, submission_id)
+    outputs_uri, errors_uri = io.join(gen_uri, "outputs"), io.join(gen_uri, "errors")
+    io.delete_dir(gen_uri)
+    if rows_out:
+        io.write_dataset(outputs, outputs_uri, spec.sink.format)
+    if rows_err:
+        io.write_dataset(errors, errors_uri, spec.sink.format)
+        for row in errors.take(3):
+            _say("error row: %s", row.get(ERROR_COLUMN))
+
+    fraction = rows_err / rows_in
+    if fraction > spec.limits.max_error_fraction:
+        raise JobError(
+            f"{rows_err} of {rows_in} rows failed ({fraction:.1%}), above max_error_fraction="
+            f"{spec.limits.max_error_fraction}; error rows are in {errors_uri} (not published)"
+        )
+
+    # 5. Publish: the manifest goes last, then older generations are removed.
+    import vllm
+
+    body = manifest.build(
+        spec=spec,
+        submission_id=submission_id,
+        outputs_uri=outputs_uri,
+        errors_uri=errors_uri,
+        output_files=io.list_files(outputs_uri),
+        error_files=io.list_files(errors_uri),
+        rows_in=rows_in,
+        rows_out=rows_out,
+        rows_errored=rows_err,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        started_at=started_at,
+        wall_time_s=time.time() - started,
+        profile=profile,
+        engine_kwargs=engine_kwargs,
+        versions={"ray": ray.__version__, "vllm": getattr(vllm, "__version__", "unknown")},
+    )
+    manifest.publish(spec.sink.uri, body)
+    manifest.remove_stale_generations(spec.sink.uri, submission_id)
+    return body
+
+
+def _submission_id() -> str:
+    """Our submission id, from the job metadata Ray hands the driver (the operator sets it)."""
+    try:
+        config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
+        metadata = config.get("metadata") or {}
+        return metadata.get("rayllm_submission_id") or metadata.get("job_submission_id") or f"local-{int(time.time())}"
+    except json.JSONDecodeError:
+        return f"local-{int(time.time())}"
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s rayllm: %(message)s", stream=sys.stdout)
+    if len(argv) != 1:
+        print(f"{ERROR_LOG_PREFIX}usage: python -m airflow_provider_rayllm.job SPEC_FILE", flush=True)
+        return 2
+    spec_path = os.path.abspath(argv[0])
+    package_dir = os.path.dirname(spec_path)
+    submission_id = _submission_id()
+    try:
+        with open(spec_path, encoding="utf-8") as handle:
+            spec = parse_spec(handle.read())
+        _say("submission %s: %s over %s -> %s", submission_id, spec.processor.model_source, spec.source.uris, spec.sink.uri)
+        body = run(spec, submission_id, package_dir)
+    except (JobError, SpecError) as exc:
+        print(f"{ERROR_LOG_PREFIX}{exc}", flush=True)
+        return 1
+    print(manifest.log_line(body), flush=True)
+    return 0

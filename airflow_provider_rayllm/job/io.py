@@ -1,0 +1,157 @@
+"""Reading sources and writing sinks through pyarrow filesystems (local paths, s3://, gs://)."""
+
+from __future__ import annotations
+
+import glob as globlib
+import json
+import os
+import posixpath
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.spec import FileSource, uri_scheme
+
+
+def filesystem_for(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem for ``uri`` and the path inside it."""
+    scheme = uri_scheme(uri)
+    if scheme == "file":
+        path = uri[len("file://") :] if uri.startswith("file://") else uri
+        return pafs.LocalFileSystem(), os.path.abspath(path)
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except Exception as exc:  # pyarrow raises several types for a bad URI or missing credentials
+        raise JobError(f"cannot open {uri!r}: {exc}") from exc
+
+
+def join(base: str, *parts: str) -> str:
+    if uri_scheme(base) == "file":
+        return os.path.join(base, *parts)
+    return posixpath.join(base, *parts)
+
+
+def _has_glob(path: str) -> bool:
+    return any(ch in path for ch in "*?[")
+
+
+def expand_source(source: FileSource) -> list[str]:
+    """Every input file, in a stable order; a clear error when a path matches nothing."""
+    files: list[str] = []
+    for uri in source.uris:
+        fs, path = filesystem_for(uri)
+        scheme = uri_scheme(uri)
+        prefix = "" if scheme == "file" else f"{scheme}://"
+        if _has_glob(path):
+            if scheme == "file":
+                matched = sorted(p for p in globlib.glob(path, recursive=True) if os.path.isfile(p))
+            else:
+                base = path.split("*", 1)[0].rsplit("/", 1)[0]
+                selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
+                import fnmatch
+
+                matched = sorted(
+                    prefix + info.path
+                    for info in fs.get_file_info(selector)
+                    if info.type == pafs.FileType.File and fnmatch.fnmatch(info.path, path)
+                )
+            if not matched:
+                raise JobError(f"source.uris: no file matches {uri!r}")
+            files.extend(matched)
+            continue
+        try:
+            info = fs.get_file_info(path)
+        except Exception as exc:
+            raise JobError(f"source.uris: cannot read {uri!r}: {exc}") from exc
+        if info.type == pafs.FileType.NotFound:
+            raise JobError(f"source.uris: {uri!r} does not exist")
+        if info.type == pafs.FileType.Directory:
+            selector = pafs.FileSelector(path, recursive=True)
+            inner = sorted(
+                prefix + i.path
+                for i in fs.get_file_info(selector)
+                if i.type == pafs.FileType.File and not posixpath.basename(i.path).startswith(("_", "."))
+            )
+            if not inner:
+                raise JobError(f"source.uris: folder {uri!r} holds no data files")
+            files.extend(inner)
+        else:
+            files.append(prefix + path if prefix else path)
+    return files
+
+
+def read_source(source: FileSource, files: list[str]) -> Any:
+    """A lazy Ray dataset over the given files."""
+    import ray.data
+
+    kwargs: dict[str, Any] = {}
+    fs, _ = filesystem_for(files[0])
+    if uri_scheme(files[0]) != "file":
+        kwargs["filesystem"] = fs
+        files = [filesystem_for(f)[1] for f in files]
+    if source.format == "parquet":
+        if source.columns:
+            kwargs["columns"] = source.columns
+        return ray.data.read_parquet(files, **kwargs)
+    if source.format == "jsonl":
+        ds = ray.data.read_json(files, lines=True, **kwargs)
+    else:
+        ds = ray.data.read_csv(files, **kwargs)
+    return ds.select_columns(source.columns) if source.columns else ds
+
+
+def write_dataset(ds: Any, uri: str, fmt: str) -> None:
+    fs, path = filesystem_for(uri)
+    kwargs: dict[str, Any] = {"filesystem": fs}
+    if fmt == "parquet":
+        ds.write_parquet(path, **kwargs)
+    else:
+        ds.write_json(path, lines=True, **kwargs)
+
+
+def list_files(uri: str) -> list[dict[str, Any]]:
+    """Files under ``uri`` with their sizes, as URIs in the caller's scheme."""
+    fs, path = filesystem_for(uri)
+    scheme = uri_scheme(uri)
+    prefix = "" if scheme == "file" else f"{scheme}://"
+    selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
+    return sorted(
+        ({"uri": prefix + i.path, "bytes": i.size} for i in fs.get_file_info(selector) if i.type == pafs.FileType.File),
+        key=lambda f: f["uri"],
+    )
+
+
+def write_text_atomic(uri: str, text: str) -> None:
+    """Readers never see half a file: local writes go through a rename, object stores put whole objects."""
+    fs, path = filesystem_for(uri)
+    parent = posixpath.dirname(path) if uri_scheme(uri) != "file" else os.path.dirname(path)
+    fs.create_dir(parent, recursive=True)
+    if uri_scheme(uri) == "file":
+        tmp = path + ".tmp"
+        with fs.open_output_stream(tmp) as out:
+            out.write(text.encode())
+        os.replace(tmp, path)
+    else:
+        with fs.open_output_stream(path) as out:
+            out.write(text.encode())
+
+
+def read_json(uri: str) -> dict[str, Any] | None:
+    fs, path = filesystem_for(uri)
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        return None
+    with fs.open_input_stream(path) as stream:
+        return json.loads(stream.read().decode())
+
+
+def delete_dir(uri: str) -> None:
+    fs, path = filesystem_for(uri)
+    if fs.get_file_info(path).type != pafs.FileType.NotFound:
+        fs.delete_dir(path)
+
+
+def list_subdirs(uri: str) -> list[str]:
+    fs, path = filesystem_for(uri)
+    selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
+    return sorted(posixpath.basename(i.path) for i in fs.get_file_info(selector) if i.type == pafs.FileType.Directory)

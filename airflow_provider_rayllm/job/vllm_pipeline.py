@@ -1,0 +1,164 @@
+"""The vLLM pipeline: checks that need no engine, then ray.data.llm's processor."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.prompts import engine_request
+from airflow_provider_rayllm.spec import VLLMProcessorSpec, uri_scheme
+
+log = logging.getLogger("airflow_provider_rayllm.job")
+
+# Engine defaults per profile; the user's engine_kwargs always win.
+CPU_ENGINE_DEFAULTS: dict[str, Any] = {
+    # On the CPU backend this is a share of RAM for the KV cache; start-up fails if it is not free.
+    "gpu_memory_utilization": 0.2,
+    "enforce_eager": True,
+    "max_model_len": 2048,
+    "dtype": "bfloat16",
+}
+GPU_ENGINE_DEFAULTS: dict[str, Any] = {
+    "enable_prefix_caching": True,
+    "enable_chunked_prefill": True,
+    "gpu_memory_utilization": 0.9,
+}
+# The CPU stages around the engine (chat template, tokenize, detokenize) are light; on a small
+# CPU-only cluster whole cores for each would starve the engine.
+# The same holds for the row maps before and after the engine: with 1 CPU each they wait forever
+# for a core the stage actors already hold.
+CPU_STAGE_NUM_CPUS = 0.2
+
+
+def cluster_gpus() -> float:
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0))
+
+
+def resolve_profile(spec: VLLMProcessorSpec, gpus: float) -> str:
+    if spec.resource_profile != "auto":
+        return spec.resource_profile
+    return "gpu" if gpus > 0 else "cpu"
+
+
+def engine_kwargs_for(spec: VLLMProcessorSpec, profile: str) -> dict[str, Any]:
+    defaults = CPU_ENGINE_DEFAULTS if profile == "cpu" else GPU_ENGINE_DEFAULTS
+    return {**defaults, **spec.engine_kwargs}
+
+
+def placement_for(spec: VLLMProcessorSpec, profile: str, engine_kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    if spec.placement_group_config is not None:
+        return spec.placement_group_config
+    if profile == "cpu":
+        tp = int(engine_kwargs.get("tensor_parallel_size", 1))
+        pp = int(engine_kwargs.get("pipeline_parallel_size", 1))
+        return {"bundles": [{"CPU": 1}] * (tp * pp), "strategy": "PACK"}
+    return None
+
+
+def check_engine_kwargs(model_source: str, engine_kwargs: dict[str, Any]) -> None:
+    """Unknown names and values vLLM's own argument class refuses fail here, before any engine starts."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(k for k in engine_kwargs if k not in known and k != "task_type")
+    if unknown:
+        raise JobError(
+            f"engine_kwargs: unknown vLLM engine argument(s) {unknown!r} (vLLM's EngineArgs has no such field)"
+        )
+    try:
+        EngineArgs(model=model_source, **{k: v for k, v in engine_kwargs.items() if k != "task_type"})
+    except (TypeError, ValueError) as exc:
+        raise JobError(f"engine_kwargs: vLLM refuses {engine_kwargs!r}: {exc}") from exc
+    load_format = engine_kwargs.get("load_format")
+    extras = {"runai_streamer": ("runai_model_streamer", "vllm[runai]"), "tensorizer": ("tensorizer", "vllm[tensorizer]")}
+    if load_format in extras:
+        module, extra = extras[load_format]
+        import importlib.util
+
+        if importlib.util.find_spec(module) is None:
+            raise JobError(
+                f"engine_kwargs.load_format={load_format!r} needs the {extra!r} extra on the cluster "
+                f"(module {module!r} is not installed)"
+            )
+
+
+def check_model_source(model_source: str) -> None:
+    scheme = uri_scheme(model_source)
+    looks_local = model_source.startswith(("/", "./", "../", "~")) or scheme == "file"
+    if looks_local:
+        path = os.path.expanduser(model_source.removeprefix("file://"))
+        if not os.path.isdir(path):
+            raise JobError(f"model_source {model_source!r} is not a folder on the cluster")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise JobError(f"model_source {model_source!r} has no config.json; is it a model folder?")
+
+
+def check_resources(spec: VLLMProcessorSpec, profile: str, placement: dict[str, Any] | None, gpus: float) -> None:
+    import ray
+
+    if profile == "gpu" and gpus == 0:
+        raise JobError("resource_profile='gpu' but the Ray cluster has no GPU; use 'cpu' or 'auto'")
+    if placement is not None:
+        bundles = placement.get("bundles") or []
+        wanted = sum(float(b.get("GPU", 0)) for b in bundles)
+        if "bundle_per_worker" in placement:
+            tp = int(spec.engine_kwargs.get("tensor_parallel_size", 1))
+            pp = int(spec.engine_kwargs.get("pipeline_parallel_size", 1))
+            wanted = float(placement["bundle_per_worker"].get("GPU", 0)) * tp * pp
+        if wanted > 0 and gpus == 0:
+            raise JobError(
+                f"placement_group_config asks for {wanted:g} GPU(s) per engine but the Ray cluster has none"
+            )
+    if spec.accelerator_type:
+        key = f"accelerator_type:{spec.accelerator_type}"
+        if key not in ray.cluster_resources():
+            raise JobError(
+                f"accelerator_type={spec.accelerator_type!r}: no node of the Ray cluster offers {key!r}"
+            )
+
+
+def _stage(value: bool | dict[str, Any], profile: str) -> bool | dict[str, Any]:
+    if profile != "cpu" or value is False:
+        return value
+    stage = dict(value) if isinstance(value, dict) else {}
+    stage.setdefault("num_cpus", CPU_STAGE_NUM_CPUS)
+    return stage
+
+
+def build(spec: VLLMProcessorSpec, profile: str, engine_kwargs: dict[str, Any], placement: dict[str, Any] | None) -> Any:
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+
+    config = vLLMEngineProcessorConfig(
+        model_source=spec.model_source,
+        task_type=spec.task_type,
+        engine_kwargs=engine_kwargs,
+        concurrency=spec.concurrency,
+        batch_size=spec.batch_size,
+        accelerator_type=spec.accelerator_type,
+        runtime_env=spec.runtime_env,
+        max_concurrent_batches=spec.max_concurrent_batches,
+        max_tasks_in_flight_per_actor=spec.max_tasks_in_flight_per_actor,
+        max_pending_requests=spec.max_pending_requests,
+        placement_group_config=placement,
+        chat_template_stage=_stage(spec.chat_template_stage if spec.task_type == "generate" else False, profile),
+        tokenize_stage=_stage(spec.tokenize_stage, profile),
+        detokenize_stage=_stage(spec.detokenize_stage if spec.task_type == "generate" else False, profile),
+        prepare_multimodal_stage=_stage(spec.prepare_multimodal_stage, profile),
+        dynamic_lora_loading_path=spec.dynamic_lora_loading_path,
+        log_engine_metrics=spec.log_engine_metrics,
+        should_continue_on_error=True,
+    )
+    builder_kwargs = {"chat_template_kwargs": spec.chat_template_kwargs} if spec.chat_template_kwargs else None
+    map_kwargs = {"num_cpus": CPU_STAGE_NUM_CPUS} if profile == "cpu" else None
+    return build_processor(
+        config,
+        preprocess=engine_request,
+        preprocess_map_kwargs=map_kwargs,
+        postprocess_map_kwargs=map_kwargs,
+        builder_kwargs=builder_kwargs,
+    )

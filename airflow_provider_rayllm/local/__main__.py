@@ -1,0 +1,48 @@
+"""`python -m airflow_provider_rayllm.local start|stop|status|conn|demo|models`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from airflow_provider_rayllm.local.cluster import DEFAULT_STATE_DIR, LocalRayCluster
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m airflow_provider_rayllm.local")
+    parser.add_argument("command", choices=["start", "stop", "status", "conn", "demo", "models"])
+    parser.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR))
+    parser.add_argument("--num-cpus", type=int, default=None)
+    parser.add_argument("--output-base", default=None, help="for `conn`: the default output prefix")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from airflow_provider_rayllm.local.demo import main as demo_main
+
+        return demo_main()
+    if args.command == "models":
+        from airflow_provider_rayllm.local.models import main as models_main
+
+        return models_main([])
+    cluster = LocalRayCluster(state_dir=args.state_dir, num_cpus=args.num_cpus)
+    if args.command == "start":
+        info = cluster.start()
+        print(f"Ray Jobs API: {info.dashboard_url}  GCS: {info.gcs_address}  token file: {info.token_file}")
+        print("Airflow connection: export AIRFLOW_CONN_RAY_DEFAULT=\"$(python -m airflow_provider_rayllm.local conn)\"")
+    elif args.command == "stop":
+        cluster.stop()
+    elif args.command == "status":
+        info = cluster.info()
+        print(json.dumps(info.__dict__ if info else None, indent=2))
+        return 0 if info else 1
+    elif args.command == "conn":
+        info = cluster.info()
+        if info is None:
+            print("no local cluster is running; `start` one first", file=sys.stderr)
+            return 1
+        print(info.airflow_conn_uri(output_base=args.output_base))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

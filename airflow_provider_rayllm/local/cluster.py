@@ -1,0 +1,187 @@
+"""A local Ray head on loopback with the Jobs API, free ports and token auth, started and stopped by us.
+
+State (ports, token file, logs) lives in one folder so a second process can find and stop the cluster:
+``python -m airflow_provider_rayllm.local start|stop|status``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DEFAULT_STATE_DIR = Path(os.environ.get("RAYLLM_LOCAL_DIR", Path.home() / ".cache" / "airflow_provider_rayllm" / "local"))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _free_ports(count: int) -> list[int]:
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    return sorted(ports)
+
+
+@dataclass
+class ClusterInfo:
+    gcs_address: str
+    dashboard_url: str
+    token_file: str
+    temp_dir: str
+    num_cpus: int
+
+    @property
+    def token(self) -> str:
+        return Path(self.token_file).read_text().strip()
+
+    def airflow_conn_uri(self, output_base: str | None = None) -> str:
+        """The ``ray_default`` connection as a JSON value for ``AIRFLOW_CONN_RAY_DEFAULT``."""
+        extra: dict[str, object] = {}
+        if output_base:
+            extra["output_base"] = output_base
+        return json.dumps(
+            {"conn_type": "ray", "host": self.dashboard_url, "password": self.token, "extra": extra}
+        )
+
+
+class LocalRayCluster:
+    """Start/stop one local head. ``num_cpus`` defaults to the machine's cores."""
+
+    def __init__(self, state_dir: str | Path = DEFAULT_STATE_DIR, num_cpus: int | None = None, resources: dict | None = None):
+        self.state_dir = Path(state_dir)
+        self.num_cpus = num_cpus or os.cpu_count() or 2
+        self.resources = resources or {}
+
+    @property
+    def info_file(self) -> Path:
+        return self.state_dir / "cluster.json"
+
+    def info(self) -> ClusterInfo | None:
+        if not self.info_file.exists():
+            return None
+        return ClusterInfo(**json.loads(self.info_file.read_text()))
+
+    def env(self) -> dict[str, str]:
+        """The environment for Ray processes and clients of this cluster: token auth on, our venv first."""
+        env = dict(os.environ)
+        env["RAY_AUTH_MODE"] = "token"
+        env["RAY_AUTH_TOKEN_PATH"] = str(self.state_dir / "auth_token")
+        env.pop("RAY_AUTH_TOKEN", None)
+        env["RAY_USAGE_STATS_ENABLED"] = "0"
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        # Jobs on the embedded stack use the same interpreter and packages as this process.
+        env["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
+        return env
+
+    def _ray_bin(self) -> str:
+        candidate = Path(sys.executable).with_name("ray")
+        return str(candidate) if candidate.exists() else shutil.which("ray") or "ray"
+
+    def start(self, timeout: float = 120.0) -> ClusterInfo:
+        existing = self.info()
+        if existing is not None and self._healthy(existing):
+            return existing
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        token_file = self.state_dir / "auth_token"
+        token_file.write_text(secrets.token_hex(32))
+        token_file.chmod(0o600)
+        ports = _free_ports(7)
+        gcs, dash, agent_http, agent_grpc, runtime_env_agent, metrics, client = ports
+        # Ray's session folder path must stay short (unix socket paths are limited to 107 bytes).
+        temp_dir = Path("/tmp") / f"rayllm-{gcs}"
+        cmd = [
+            self._ray_bin(), "start", "--head",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            f"--dashboard-agent-listen-port={agent_http}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--runtime-env-agent-port={runtime_env_agent}",
+            f"--metrics-export-port={metrics}",
+            f"--ray-client-server-port={client}",
+            f"--num-cpus={self.num_cpus}",
+            "--num-gpus=0",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ]
+        if self.resources:
+            cmd.append(f"--resources={json.dumps(self.resources)}")
+        log_path = self.state_dir / "ray-start.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.run(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"`ray start` failed with exit code {proc.returncode}; see {log_path}:\n{log_path.read_text()[-3000:]}")
+        info = ClusterInfo(
+            gcs_address=f"127.0.0.1:{gcs}",
+            dashboard_url=f"http://127.0.0.1:{dash}",
+            token_file=str(token_file),
+            temp_dir=str(temp_dir),
+            num_cpus=self.num_cpus,
+        )
+        self.info_file.write_text(json.dumps(asdict(info), indent=2))
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self._healthy(info):
+                return info
+            time.sleep(1)
+        raise RuntimeError(f"the Jobs API at {info.dashboard_url} did not answer within {timeout:.0f} s")
+
+    @staticmethod
+    def _healthy(info: ClusterInfo) -> bool:
+        request = urllib.request.Request(
+            f"{info.dashboard_url}/api/jobs/", headers={"Authorization": f"Bearer {info.token}"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError, FileNotFoundError):
+            return False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop this cluster only (``ray stop`` would stop every Ray on the machine)."""
+        import psutil
+
+        info = self.info()
+        if info is None:
+            return
+        port = info.gcs_address.rsplit(":", 1)[1]
+        roots = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(proc.info.get("cmdline") or [])
+            if info.temp_dir in cmdline or f"127.0.0.1:{port}" in cmdline:
+                roots.append(proc)
+        victims: dict[int, psutil.Process] = {}
+        for root in roots:
+            try:
+                victims[root.pid] = root
+                for child in root.children(recursive=True):
+                    victims[child.pid] = child
+            except psutil.NoSuchProcess:
+                continue
+        for proc in victims.values():
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(list(victims.values()), timeout=timeout)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.info_file.unlink(missing_ok=True)
+        shutil.rmtree(info.temp_dir, ignore_errors=True)

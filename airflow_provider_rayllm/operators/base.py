@@ -1,0 +1,325 @@
+"""What every batch operator shares: submit or re-attach, wait (deferred or not), publish the manifest.
+
+A subclass only turns its rendered arguments into a JobSpec (``build_spec``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from airflow.sdk import BaseOperator, conf
+
+from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayLLMError
+from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, RayJobHook
+from airflow_provider_rayllm.links import RayJobLink
+from airflow_provider_rayllm.spec import ERROR_LOG_PREFIX, MANIFEST_LOG_PREFIX, JobSpec, RunSpec, SpecError
+from airflow_provider_rayllm.triggers.ray_job import RayJobTrigger
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+ENTRYPOINT = "python -m airflow_provider_rayllm.job spec.json"
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+MAX_GENERATIONS = 100
+METADATA_OUTPUT_URI = "rayllm_output_uri"
+
+# Spec paths shown as the operator argument a user wrote.
+_ARG_NAMES = {
+    "source.uris": "input_uri",
+    "source.format": "input_format",
+    "source.columns": "input_columns",
+    "sink.uri": "output_uri",
+    "sink.format": "output_format",
+    "prompt.template": "prompt_template",
+}
+
+
+def _user_field(path: str) -> str:
+    for spec_path, arg in _ARG_NAMES.items():
+        if path == spec_path or path.startswith(spec_path + "."):
+            return arg + path[len(spec_path) :]
+    return path.split(".", 1)[1] if path.split(".", 1)[0] in {"processor", "prompt", "limits", "source", "sink"} and "." in path else path
+
+
+def _safe(part: Any) -> str:
+    return re.sub(r"[^A-Za-z0-9._=-]", "_", str(part)) or "_"
+
+
+def default_output_uri(base: str, dag_id: str, run_id: str, task_id: str, map_index: int) -> str:
+    """One prefix per task instance: scheduled runs, manual runs and backfills never collide."""
+    parts = [_safe(dag_id), _safe(run_id), _safe(task_id)]
+    if map_index is not None and map_index >= 0:
+        parts.append(f"map_{map_index}")
+    return "/".join([base.rstrip("/"), *parts])
+
+
+def submission_base_id(dag_id: str, run_id: str, task_id: str, map_index: int, spec_hash: str) -> str:
+    """Same task instance and same settings => same id; the generation suffix is added on top."""
+    key = json.dumps([dag_id, run_id, task_id, map_index, spec_hash])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    readable = re.sub(r"[^A-Za-z0-9_-]", "-", f"{dag_id}.{task_id}")[:60]
+    return f"rayllm-{readable}-{digest}"
+
+
+class RayLLMBatchBaseOperator(BaseOperator):
+    """Base for operators that run one batch job on Ray and return its manifest."""
+
+    operator_extra_links = (RayJobLink(),)
+    ui_color = "#e0f0ff"
+
+    def __init__(
+        self,
+        *,
+        ray_conn_id: str = RayJobHook.default_conn_name,
+        output_uri: str | None = None,
+        output_format: str = "parquet",
+        max_error_fraction: float = 0.1,
+        max_rows: int | None = None,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
+        poll_interval: float = 5.0,
+        job_runtime_env: dict[str, Any] | None = None,
+        ship_package: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.ray_conn_id = ray_conn_id
+        self.output_uri = output_uri
+        self.output_format = output_format
+        self.max_error_fraction = max_error_fraction
+        self.max_rows = max_rows
+        self.deferrable = deferrable
+        self.poll_interval = poll_interval
+        self.job_runtime_env = job_runtime_env
+        self.ship_package = ship_package
+        self._submission_id: str | None = None
+
+    @cached_property
+    def hook(self) -> RayJobHook:
+        return RayJobHook(ray_conn_id=self.ray_conn_id)
+
+    # --- subclass contract ----------------------------------------------------------------------
+    def spec_body(self, context: Context, output_uri: str, package_dir: Path) -> dict[str, Any]:
+        """The spec as a dict (without ``run``); may write files (pickled callables) into package_dir."""
+        raise NotImplementedError
+
+    # --- spec -----------------------------------------------------------------------------------
+    def _run_spec(self, context: Context) -> RunSpec:
+        ti = context["ti"]
+        map_index = getattr(ti, "map_index", -1)
+        return RunSpec(
+            dag_id=ti.dag_id,
+            run_id=ti.run_id,
+            task_id=ti.task_id,
+            map_index=-1 if map_index is None else int(map_index),
+            try_number=int(getattr(ti, "try_number", 0) or 0),
+        )
+
+    def resolve_output_uri(self, run: RunSpec) -> str:
+        if self.output_uri:
+            return str(self.output_uri)
+        base = self.hook.settings.output_base
+        if not base:
+            raise InvalidSpec(
+                f"{self.task_id}: output_uri is not set and the connection {self.ray_conn_id!r} has no "
+                "extra 'output_base'; give one of them"
+            )
+        return default_output_uri(base, run.dag_id, run.run_id, run.task_id, run.map_index)
+
+    def build_spec(self, context: Context, package_dir: Path) -> JobSpec:
+        run = self._run_spec(context)
+        output_uri = self.resolve_output_uri(run)
+        try:
+            body = self.spec_body(context, output_uri, package_dir)
+        except SpecError as exc:
+            raise InvalidSpec(f"{self.task_id}: {exc}") from None
+        body["run"] = run.model_dump()
+        from pydantic import ValidationError
+
+        from airflow_provider_rayllm.spec import format_validation_error
+
+        try:
+            return JobSpec.model_validate(body)
+        except ValidationError as exc:
+            problems = format_validation_error(exc)
+            for spec_path in sorted({".".join(str(p) for p in e["loc"]) for e in exc.errors()}, key=len, reverse=True):
+                problems = problems.replace(spec_path + ":", _user_field(spec_path) + ":")
+            raise InvalidSpec(f"{self.task_id}: invalid settings: {problems}") from None
+
+    # --- submit / attach ------------------------------------------------------------------------
+    def _resolve_generation(self, base_id: str) -> tuple[str, str]:
+        """('attach' | 'submit', submission_id): re-attach to a live or finished job; new generation after failure."""
+        last: tuple[str, dict[str, Any]] | None = None
+        for generation in range(MAX_GENERATIONS):
+            sid = f"{base_id}-g{generation}"
+            info = self.hook.get_job_info(sid)
+            if info is None:
+                if last is None:
+                    return "submit", sid
+                prev_sid, prev = last
+                if prev["status"] in ACTIVE_STATES or prev["status"] == "SUCCEEDED":
+                    return "attach", prev_sid
+                return "submit", sid
+            last = (sid, info)
+        raise RayLLMError(f"{base_id}: {MAX_GENERATIONS} generations already ran; refusing to submit another")
+
+    def _runtime_env(self, package_dir: Path) -> dict[str, Any]:
+        env = dict(self.job_runtime_env or {})
+        if "working_dir" in env:
+            raise InvalidSpec("job_runtime_env.working_dir is set by the operator (it carries the job spec)")
+        env["working_dir"] = str(package_dir)
+        if self.ship_package:
+            env["py_modules"] = [*env.get("py_modules", []), str(PACKAGE_DIR)]
+        return env
+
+    def _submit(self, submission_id: str, spec: JobSpec, package_dir: Path) -> None:
+        (package_dir / "spec.json").write_text(spec.to_json())
+        metadata = {
+            METADATA_OUTPUT_URI: spec.sink.uri,
+            "rayllm_submission_id": submission_id,
+            "rayllm_spec_hash": spec.content_hash()[:16],
+            "airflow_dag_id": spec.run.dag_id,
+            "airflow_run_id": spec.run.run_id,
+            "airflow_task_id": spec.run.task_id,
+            "airflow_map_index": str(spec.run.map_index),
+        }
+        try:
+            self.hook.submit_job(
+                entrypoint=ENTRYPOINT,
+                submission_id=submission_id,
+                runtime_env=self._runtime_env(package_dir),
+                metadata=metadata,
+            )
+        except Exception as exc:
+            # Another attempt of this task instance submitted the same id first: attach to it.
+            if "already exists" in str(exc):
+                self.log.info("Ray job %s was submitted by another attempt; attaching", submission_id)
+                return
+            raise
+        self.log.info("Submitted Ray job %s (entrypoint %r)", submission_id, ENTRYPOINT)
+
+    # --- execute --------------------------------------------------------------------------------
+    def execute(self, context: Context) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="rayllm-job-") as tmp:
+            package_dir = Path(tmp)
+            spec = self.build_spec(context, package_dir)
+            run = spec.run
+            base_id = submission_base_id(run.dag_id, run.run_id, run.task_id, run.map_index, spec.content_hash())
+            action, submission_id = self._resolve_generation(base_id)
+            self.log.info("Output prefix %s; Ray submission %s (%s)", spec.sink.uri, submission_id, action)
+            if action == "submit":
+                self._submit(submission_id, spec, package_dir)
+        self._submission_id = submission_id
+        context["ti"].xcom_push(key="ray_job_url", value=self.hook.settings.dashboard_job_url(submission_id))
+        context["ti"].xcom_push(key="submission_id", value=submission_id)
+        if self.deferrable:
+            self.defer(
+                trigger=RayJobTrigger(
+                    submission_id=submission_id, ray_conn_id=self.ray_conn_id, poll_interval=self.poll_interval
+                ),
+                method_name="execute_complete",
+            )
+        status, message = self._wait_with_logs(submission_id)
+        return self._finish(context, submission_id, status, message)
+
+    def _wait_with_logs(self, submission_id: str) -> tuple[str, str]:
+        """Poll the job and copy its new log lines into the task log."""
+        printed = 0
+        while True:
+            info = self.hook.get_job_info(submission_id)
+            if info is None:
+                return "LOST", f"job lost: the Ray cluster no longer knows {submission_id!r}"
+            try:
+                logs = self.hook.get_job_logs(submission_id)
+            except Exception as exc:  # logs are a courtesy; status decides
+                self.log.debug("could not read job logs: %s", exc)
+                logs = ""
+            if len(logs) > printed:
+                for line in logs[printed:].splitlines():
+                    if line.strip() and not line.startswith(MANIFEST_LOG_PREFIX):
+                        self.log.info("[ray] %s", line)
+                printed = len(logs)
+            status = str(info["status"])
+            if status not in ACTIVE_STATES:
+                return status, str(info.get("message") or "")
+            time.sleep(self.poll_interval)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(event, dict) or "status" not in event or "submission_id" not in event:
+            raise RayLLMError(f"unexpected trigger event {event!r}")
+        submission_id = str(event["submission_id"])
+        self._submission_id = submission_id
+        return self._finish(context, submission_id, str(event["status"]), str(event.get("message") or ""))
+
+    # --- finish ---------------------------------------------------------------------------------
+    def _job_error_line(self, submission_id: str) -> tuple[str, str]:
+        try:
+            logs = self.hook.get_job_logs(submission_id)
+        except Exception:
+            return "", ""
+        ours = [line[len(ERROR_LOG_PREFIX) :] for line in logs.splitlines() if line.startswith(ERROR_LOG_PREFIX)]
+        tail = "\n".join(logs.splitlines()[-40:])
+        return (ours[-1] if ours else ""), tail
+
+    def _finish(self, context: Context, submission_id: str, status: str, message: str) -> dict[str, Any]:
+        if status == "LOST":
+            raise RayJobLost(f"{message}; a retry submits a new generation")
+        if status != "SUCCEEDED":
+            error, tail = self._job_error_line(submission_id)
+            if tail:
+                self.log.error("Last lines of Ray job %s:\n%s", submission_id, tail)
+            detail = f": {error}" if error else ""
+            raise RayJobFailed(f"Ray job {submission_id} ended {status}{detail} (Ray: {message})")
+        manifest = self._read_manifest(submission_id)
+        context["ti"].xcom_push(key="output_uri", value=manifest["outputs_uri"])
+        self.log.info(
+            "Published %s: %d rows in, %d out, %d errors; tokens in/out %d/%d",
+            manifest["output_uri"],
+            manifest["rows_in"],
+            manifest["rows_out"],
+            manifest["rows_errored"],
+            manifest["input_tokens"],
+            manifest["output_tokens"],
+        )
+        if manifest["rows_errored"]:
+            self.log.warning("%d error rows are in %s", manifest["rows_errored"], manifest["errors_uri"])
+        return manifest
+
+    def _read_manifest(self, submission_id: str) -> dict[str, Any]:
+        """The published manifest; it must be this submission's (a stale one is never returned)."""
+        info = self.hook.get_job_info(submission_id) or {}
+        output_uri = (info.get("metadata") or {}).get(METADATA_OUTPUT_URI)
+        manifest: dict[str, Any] | None = None
+        if output_uri:
+            try:
+                from airflow_provider_rayllm.job import manifest as manifest_io
+
+                manifest = manifest_io.read(output_uri)
+            except Exception as exc:  # e.g. a path only the cluster can see
+                self.log.info("Manifest at %s not readable from this worker (%s); using the job log copy", output_uri, exc)
+        if manifest is None or manifest.get("submission_id") != submission_id:
+            logs = self.hook.get_job_logs(submission_id)
+            lines = [line for line in logs.splitlines() if line.startswith(MANIFEST_LOG_PREFIX)]
+            if not lines:
+                raise RayLLMError(f"Ray job {submission_id} succeeded but wrote no manifest")
+            manifest = json.loads(lines[-1][len(MANIFEST_LOG_PREFIX) :])
+        if manifest.get("submission_id") != submission_id:
+            raise RayLLMError(
+                f"the manifest at {output_uri} belongs to {manifest.get('submission_id')!r}, not {submission_id!r}"
+            )
+        return manifest
+
+    def on_kill(self) -> None:
+        if self._submission_id:
+            self.log.info("Stopping Ray job %s", self._submission_id)
+            try:
+                self.hook.stop_job(self._submission_id)
+            except Exception as exc:
+                self.log.error("could not stop Ray job %s: %s", self._submission_id, exc)

@@ -1,0 +1,383 @@
+"""The job contract: the only thing the Airflow half and the Ray half share.
+
+Imports neither Airflow nor Ray, so the operator, the job and the tests can all use it.
+Unknown keys are errors that name the key; every field says what it is for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import string
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SPEC_VERSION = 1
+MANIFEST_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MANIFEST_LOG_PREFIX = "RAYLLM_MANIFEST "
+ERROR_LOG_PREFIX = "RAYLLM_ERROR "
+
+# Columns our job adds to every output row; input columns with these names are refused.
+OUTPUT_TOKENS_IN = "num_input_tokens"
+OUTPUT_TOKENS_OUT = "num_generated_tokens"
+ERROR_COLUMN = "error"
+
+FileFormat = Literal["parquet", "jsonl", "csv"]
+SinkFormat = Literal["parquet", "jsonl"]
+TaskType = Literal["generate", "embed", "classify", "score"]
+PG_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+URI_SCHEMES = ("s3", "gs", "gcs", "file")
+
+# The reference guide's flag names (Ray < 2.60) and the stage configs that replaced them.
+GUIDE_STAGE_FLAGS = {
+    "apply_chat_template": "chat_template_stage",
+    "tokenize": "tokenize_stage",
+    "detokenize": "detokenize_stage",
+    "has_image": "prepare_multimodal_stage",
+}
+
+
+class SpecError(ValueError):
+    """A spec that cannot run. The message names the field and quotes the value."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+def uri_scheme(uri: str) -> str:
+    """``"s3"`` for ``s3://b/k``, ``"file"`` for a plain path."""
+    match = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://", uri)
+    return match.group(1).lower() if match else "file"
+
+
+def _check_uri(field: str, uri: str) -> str:
+    if not isinstance(uri, str) or not uri.strip():
+        raise ValueError(f"{field} must be a non-empty path or URI, got {uri!r}")
+    scheme = uri_scheme(uri)
+    if scheme not in URI_SCHEMES:
+        raise ValueError(
+            f"{field} {uri!r} has scheme {scheme!r}; allowed: local paths, "
+            + ", ".join(f"{s}://" for s in URI_SCHEMES)
+        )
+    return uri
+
+
+def format_from_uri(uri: str) -> FileFormat | None:
+    lowered = uri.lower().rstrip("/")
+    for suffix, fmt in ((".parquet", "parquet"), (".jsonl", "jsonl"), (".json", "jsonl"), (".csv", "csv")):
+        if lowered.endswith(suffix) or lowered.endswith(suffix + ".gz"):
+            return fmt  # type: ignore[return-value]
+    return None
+
+
+class FileSource(_Strict):
+    kind: Literal["files"] = Field("files", description="Input read from files on a path or bucket.")
+    uris: list[str] = Field(description="Files, folders or globs (local paths, s3://, gs://).", min_length=1)
+    format: FileFormat | None = Field(
+        None, description="parquet, jsonl or csv; inferred from the file extension when omitted."
+    )
+    columns: list[str] | None = Field(None, description="Read only these columns.")
+
+    @field_validator("uris", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("uris")
+    @classmethod
+    def _valid_uris(cls, value: list[str]) -> list[str]:
+        return [_check_uri("source.uris", u) for u in value]
+
+    @model_validator(mode="after")
+    def _known_format(self) -> FileSource:
+        if self.format is None:
+            formats = {format_from_uri(u) for u in self.uris}
+            if len(formats) != 1 or None in formats:
+                raise ValueError(
+                    f"source.format is not given and cannot be inferred from {self.uris!r}; "
+                    "set input_format to one of 'parquet', 'jsonl', 'csv'"
+                )
+            self.format = formats.pop()
+        return self
+
+
+# Issue 3 adds a SQL source; the kind field then discriminates.
+Source = FileSource
+
+
+class CallableRef(_Strict):
+    """A Python callable the job imports (``module:attr``) or unpickles from the job package."""
+
+    import_path: str | None = Field(None, description="'package.module:function' importable on the cluster.")
+    pickled: str | None = Field(None, description="File name of a cloudpickled callable in the job package.")
+    digest: str | None = Field(None, description="Hash of the callable's source, so a changed function is a new job.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> CallableRef:
+        if (self.import_path is None) == (self.pickled is None):
+            raise ValueError("a callable reference needs exactly one of import_path or pickled")
+        if self.import_path is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.import_path):
+            raise ValueError(f"callable import path {self.import_path!r} must look like 'package.module:function'")
+        return self
+
+
+class PromptSpec(_Strict):
+    """How a row becomes a request. Exactly one of the four ways is used."""
+
+    prompt_column: str | None = Field(None, description="Column whose text is the user message.")
+    template: str | None = Field(None, description="str.format template over row columns, e.g. 'Summarize: {text}'.")
+    messages_column: str | None = Field(None, description="Column holding OpenAI-style chat messages.")
+    preprocess: CallableRef | None = Field(None, description="Callable row -> request dict, as in the guide.")
+    system_prompt: str | None = Field(None, description="System message put before the user message.")
+    sampling_params: dict[str, Any] = Field(default_factory=dict, description="vLLM sampling params per request.")
+    pooling_params: dict[str, Any] | None = Field(None, description="vLLM pooling params (embed/classify/score).")
+    postprocess: CallableRef | None = Field(None, description="Callable output row -> dict, as in the guide.")
+    output_column: str = Field("response", description="Column that receives the generated text or embedding.")
+    keep_columns: list[str] | None = Field(
+        None, description="Input columns copied to the output; all input columns when omitted."
+    )
+
+    @model_validator(mode="after")
+    def _one_way(self) -> PromptSpec:
+        ways = [
+            name
+            for name in ("prompt_column", "template", "messages_column", "preprocess")
+            if getattr(self, name) is not None
+        ]
+        if len(ways) != 1:
+            raise ValueError(
+                "prompt: give exactly one of prompt_column, template, messages_column, preprocess; "
+                f"got {ways or 'none'}"
+            )
+        if self.system_prompt is not None and self.messages_column is not None:
+            raise ValueError("prompt.system_prompt cannot be combined with messages_column (put it in the messages)")
+        return self
+
+    def template_columns(self) -> list[str]:
+        if self.template is None:
+            return []
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
+        except ValueError as exc:
+            raise SpecError(f"prompt.template {self.template!r} is not a valid format string: {exc}") from exc
+        names = []
+        for field in fields:
+            name = re.split(r"[.\[]", field, maxsplit=1)[0]
+            if not name or name.isdigit():
+                raise SpecError(
+                    f"prompt.template {self.template!r} has a positional field {{{field}}}; name a column instead"
+                )
+            names.append(name)
+        return sorted(set(names))
+
+    def required_columns(self) -> list[str]:
+        cols = set(self.template_columns())
+        for name in (self.prompt_column, self.messages_column):
+            if name:
+                cols.add(name)
+        return sorted(cols)
+
+
+class VLLMProcessorSpec(_Strict):
+    """vLLMEngineProcessorConfig settings under their own names."""
+
+    model_source: str = Field(description="Hugging Face id, local path on the cluster, or s3:// / gs:// URI.")
+    task_type: TaskType = Field("generate", description="generate, embed, classify or score.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments.")
+    concurrency: int | tuple[int, int] = Field(1, description="Engine replicas, or (min, max) to autoscale.")
+    batch_size: int = Field(16, ge=1, description="Rows per batch sent to an engine replica.")
+    accelerator_type: str | None = Field(None, description="GPU type the engine needs, e.g. 'L4'.")
+    runtime_env: dict[str, Any] | None = Field(None, description="Ray runtime_env for the engine stage.")
+    max_concurrent_batches: int = Field(8, ge=1, description="Batches in flight per engine replica.")
+    max_tasks_in_flight_per_actor: int | None = Field(None, ge=1, description="Ray Data tasks per engine actor.")
+    max_pending_requests: int | None = Field(None, ge=1, description="Engine pending request cap.")
+    placement_group_config: dict[str, Any] | None = Field(
+        None, description="{'bundles': [...]} or {'bundle_per_worker': {...}}, optional 'strategy'."
+    )
+    chat_template_stage: bool | dict[str, Any] = Field(True, description="Chat template stage (bool or config).")
+    tokenize_stage: bool | dict[str, Any] = Field(True, description="Tokenize stage (bool or config).")
+    detokenize_stage: bool | dict[str, Any] = Field(True, description="Detokenize stage (bool or config).")
+    prepare_multimodal_stage: bool | dict[str, Any] = Field(False, description="Multimodal stage (bool or config).")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra kwargs for apply_chat_template.")
+    dynamic_lora_loading_path: str | None = Field(None, description="Folder or bucket of LoRA adapters.")
+    log_engine_metrics: bool = Field(False, description="Export vLLM metrics through Ray's Prometheus endpoint.")
+    resource_profile: Literal["auto", "cpu", "gpu"] = Field(
+        "auto",
+        description="Engine defaults: 'cpu' (CPU vLLM build), 'gpu', or 'auto' = 'gpu' when the cluster has GPUs.",
+    )
+
+    @field_validator("concurrency")
+    @classmethod
+    def _concurrency(cls, value: int | tuple[int, int]) -> int | tuple[int, int]:
+        if isinstance(value, int):
+            if value < 1:
+                raise ValueError(f"concurrency must be >= 1, got {value!r}")
+        else:
+            low, high = value
+            if low < 1 or low > high:
+                raise ValueError(f"concurrency (min, max) needs 1 <= min <= max, got {value!r}")
+        return value
+
+    @field_validator("model_source")
+    @classmethod
+    def _model_source(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("model_source must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _placement(self) -> VLLMProcessorSpec:
+        pg = self.placement_group_config
+        tp = int(self.engine_kwargs.get("tensor_parallel_size", 1) or 1)
+        pp = int(self.engine_kwargs.get("pipeline_parallel_size", 1) or 1)
+        if tp < 1 or pp < 1:
+            raise ValueError(f"engine_kwargs tensor_parallel_size={tp!r} and pipeline_parallel_size={pp!r} must be >= 1")
+        if pg is None:
+            return self
+        allowed = {"bundles", "bundle_per_worker", "strategy"}
+        unknown = sorted(set(pg) - allowed)
+        if unknown:
+            raise ValueError(f"placement_group_config has unknown key(s) {unknown!r}; allowed: {sorted(allowed)!r}")
+        if ("bundles" in pg) == ("bundle_per_worker" in pg):
+            raise ValueError("placement_group_config needs exactly one of 'bundles' or 'bundle_per_worker'")
+        strategy = pg.get("strategy", "PACK")
+        if strategy not in PG_STRATEGIES:
+            raise ValueError(f"placement_group_config.strategy {strategy!r} is not one of {list(PG_STRATEGIES)!r}")
+        bundles = pg.get("bundles")
+        if bundles is not None:
+            if not isinstance(bundles, list) or not bundles or not all(isinstance(b, dict) for b in bundles):
+                raise ValueError(f"placement_group_config.bundles must be a non-empty list of dicts, got {bundles!r}")
+            if len(bundles) != tp * pp:
+                raise ValueError(
+                    f"placement_group_config.bundles has {len(bundles)} bundle(s) but tensor_parallel_size x "
+                    f"pipeline_parallel_size = {tp} x {pp} = {tp * pp} workers need one each"
+                )
+        return self
+
+    def gpus_per_replica(self) -> float:
+        pg = self.placement_group_config
+        if pg is None:
+            tp = int(self.engine_kwargs.get("tensor_parallel_size", 1) or 1)
+            pp = int(self.engine_kwargs.get("pipeline_parallel_size", 1) or 1)
+            return float(tp * pp)
+        if "bundles" in pg:
+            return float(sum(b.get("GPU", 0) for b in pg["bundles"]))
+        tp = int(self.engine_kwargs.get("tensor_parallel_size", 1) or 1)
+        pp = int(self.engine_kwargs.get("pipeline_parallel_size", 1) or 1)
+        return float(pg["bundle_per_worker"].get("GPU", 0)) * tp * pp
+
+
+class SinkSpec(_Strict):
+    uri: str = Field(description="Output prefix (folder or bucket prefix) owned by this task instance.")
+    format: SinkFormat = Field("parquet", description="parquet or jsonl.")
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, value: str) -> str:
+        return _check_uri("output_uri", value).rstrip("/")
+
+
+class LimitsSpec(_Strict):
+    max_error_fraction: float = Field(
+        0.1, ge=0.0, le=1.0, description="Fail the job when error rows / input rows exceeds this."
+    )
+    max_rows: int | None = Field(None, ge=1, description="Process at most this many input rows.")
+
+
+class RunSpec(_Strict):
+    """Who asked for the job; recorded in the manifest, never used to read data."""
+
+    dag_id: str = ""
+    run_id: str = ""
+    task_id: str = ""
+    map_index: int = -1
+    try_number: int = 0
+
+
+class JobSpec(_Strict):
+    version: Literal[1] = Field(SPEC_VERSION, description="Spec version; the job refuses other versions.")
+    kind: Literal["vllm"] = Field("vllm", description="Which pipeline the job runs.")
+    source: Source
+    prompt: PromptSpec
+    processor: VLLMProcessorSpec
+    sink: SinkSpec
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    run: RunSpec = Field(default_factory=RunSpec)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        p = self.prompt
+        if self.processor.task_type != "generate":
+            if p.messages_column is not None:
+                raise ValueError(
+                    f"prompt.messages_column needs task_type 'generate', got {self.processor.task_type!r}"
+                )
+        reserved = {OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, ERROR_COLUMN}
+        if p.output_column in reserved:
+            raise ValueError(f"prompt.output_column {p.output_column!r} is reserved; pick another name")
+        p.template_columns()  # raises a SpecError on a broken template
+        return self
+
+    def content_hash(self) -> str:
+        """Hash of what the job computes; the run section is excluded."""
+        body = self.model_dump(mode="json", exclude={"run"})
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+
+def map_guide_flags(settings: dict[str, Any]) -> dict[str, Any]:
+    """Accept the guide's flag names and turn them into Ray 2.60's stage configs.
+
+    ``apply_chat_template=False`` -> ``chat_template_stage=False``; ``has_image=True`` ->
+    ``prepare_multimodal_stage=True``; ``chat_template="..."`` -> the chat template stage's template.
+    Giving both the old and the new name is an error.
+    """
+    out = dict(settings)
+    for old, new in GUIDE_STAGE_FLAGS.items():
+        if old in out:
+            value = out.pop(old)
+            if new in out and out[new] is not None:
+                raise SpecError(f"give either {old!r} (guide name) or {new!r}, not both")
+            if not isinstance(value, bool):
+                raise SpecError(f"{old} must be True or False, got {value!r}")
+            out[new] = value
+    if "chat_template" in out:
+        template = out.pop("chat_template")
+        if template is not None:
+            stage = out.get("chat_template_stage", True)
+            if stage is False:
+                raise SpecError("chat_template is set but the chat template stage is disabled")
+            stage = dict(stage) if isinstance(stage, dict) else {}
+            stage["chat_template"] = template
+            out["chat_template_stage"] = stage
+    return out
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per problem: the dotted field, what is wrong, and the value given."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        loc = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "spec"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{loc}: unknown setting (value {err.get('input')!r})")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{loc}: {msg} (got {err.get('input')!r})" if "input" in err and not isinstance(err.get("input"), dict) else f"{loc}: {msg}")
+    return "; ".join(lines)
+
+
+def parse_spec(data: str | dict[str, Any]) -> JobSpec:
+    """Validate a spec, turning pydantic's errors into one SpecError naming each field."""
+    try:
+        if isinstance(data, str):
+            return JobSpec.model_validate_json(data)
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(f"invalid job spec: {format_validation_error(exc)}") from None

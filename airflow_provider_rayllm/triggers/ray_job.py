@@ -1,0 +1,92 @@
+"""RayJobTrigger: waits for a Ray job in the triggerer, at no worker cost."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_provider_rayllm.hooks.ray_job import RayAuthError, RayJobHook, TERMINAL_STATES
+
+
+class RayJobTrigger(BaseTrigger):
+    """Poll the Jobs API until the job is terminal; yield exactly one event.
+
+    Event payload: ``status`` (a Ray job status, ``LOST`` when the cluster no longer knows the job,
+    or ``ERROR``), ``submission_id``, ``message``. A Jobs API that stops answering is retried until
+    ``unreachable_timeout`` seconds pass without an answer.
+    """
+
+    def __init__(
+        self,
+        *,
+        submission_id: str,
+        ray_conn_id: str = RayJobHook.default_conn_name,
+        poll_interval: float = 5.0,
+        unreachable_timeout: float = 600.0,
+    ) -> None:
+        super().__init__()
+        self.submission_id = submission_id
+        self.ray_conn_id = ray_conn_id
+        self.poll_interval = poll_interval
+        self.unreachable_timeout = unreachable_timeout
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "submission_id": self.submission_id,
+                "ray_conn_id": self.ray_conn_id,
+                "poll_interval": self.poll_interval,
+                "unreachable_timeout": self.unreachable_timeout,
+            },
+        )
+
+    def _hook(self) -> RayJobHook:
+        return RayJobHook(ray_conn_id=self.ray_conn_id)
+
+    def _event(self, status: str, message: str) -> TriggerEvent:
+        return TriggerEvent({"status": status, "submission_id": self.submission_id, "message": message})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        hook = self._hook()
+        last_answer = time.monotonic()
+        try:
+            while True:
+                try:
+                    info = await hook.aget_job_info(self.submission_id)
+                    last_answer = time.monotonic()
+                except RayAuthError:
+                    raise
+                except Exception as exc:  # the dashboard may be restarting: keep waiting, within a limit
+                    silent = time.monotonic() - last_answer
+                    if silent > self.unreachable_timeout:
+                        yield self._event(
+                            "ERROR",
+                            f"the Ray Jobs API did not answer for {silent:.0f} s while waiting for "
+                            f"{self.submission_id!r}: {exc}",
+                        )
+                        return
+                    self.log.warning("Ray Jobs API unreachable (%.0f s): %s; retrying", silent, exc)
+                    await asyncio.sleep(self.poll_interval)
+                    continue
+                if info is None:
+                    yield self._event(
+                        "LOST",
+                        f"job lost: the Ray cluster no longer knows {self.submission_id!r} "
+                        "(was the head restarted?)",
+                    )
+                    return
+                status = str(info.get("status"))
+                if status in TERMINAL_STATES:
+                    yield self._event(status, str(info.get("message") or ""))
+                    return
+                await asyncio.sleep(self.poll_interval)
+        except Exception as exc:
+            yield self._event("ERROR", f"{type(exc).__name__}: {exc}")
+
+    async def on_kill(self) -> None:
+        """A user killed the deferred task: stop the Ray job too."""
+        await self._hook().astop_job(self.submission_id)

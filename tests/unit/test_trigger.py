@@ -1,0 +1,127 @@
+"""RayJobTrigger against a small HTTP server that speaks the Jobs API's job-status route."""
+
+import json
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from airflow_provider_rayllm.triggers.ray_job import RayJobTrigger
+
+
+class JobsApi:
+    """Answers GET /api/jobs/{id} from a script of (status_code, job_status) steps."""
+
+    def __init__(self, steps):
+        self.steps = list(steps)
+        self.calls = 0
+        self.stopped = []
+
+    async def get(self, request):
+        self.calls += 1
+        if request.headers.get("Authorization") != "Bearer secret-token":
+            return web.Response(status=401, text="Unauthorized: Missing authentication token")
+        code, status = self.steps.pop(0) if len(self.steps) > 1 else self.steps[0]
+        if code != 200:
+            return web.Response(status=code, text="nope")
+        return web.json_response({"status": status, "message": f"job is {status}", "submission_id": request.match_info["id"]})
+
+    async def stop(self, request):
+        self.stopped.append(request.match_info["id"])
+        return web.json_response({"stopped": True})
+
+
+@pytest_asyncio.fixture
+async def serve(monkeypatch):
+    runners = []
+
+    async def start(api, token="secret-token"):
+        app = web.Application()
+        app.router.add_get("/api/jobs/{id}", api.get)
+        app.router.add_post("/api/jobs/{id}/stop", api.stop)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        conn = {"conn_type": "ray", "host": f"http://127.0.0.1:{port}", "password": token}
+        monkeypatch.setenv("AIRFLOW_CONN_RAY_TEST", json.dumps(conn))
+        runners.append(runner)
+        return port
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def collect(trigger):
+    return [event async for event in trigger.run()]
+
+
+def trigger(**kw):
+    return RayJobTrigger(submission_id="job-1", ray_conn_id="ray_test", poll_interval=0.01, **kw)
+
+
+def test_serialize_round_trip():
+    t = trigger()
+    path, kwargs = t.serialize()
+    assert path == "airflow_provider_rayllm.triggers.ray_job.RayJobTrigger"
+    assert RayJobTrigger(**kwargs).serialize() == (path, kwargs)
+
+
+@pytest.mark.asyncio
+async def test_waits_until_terminal_and_yields_one_event(serve):
+    api = JobsApi([(200, "PENDING"), (200, "RUNNING"), (200, "RUNNING"), (200, "SUCCEEDED")])
+    await serve(api)
+    events = await collect(trigger())
+    assert [e.payload for e in events] == [{"status": "SUCCEEDED", "submission_id": "job-1", "message": "job is SUCCEEDED"}]
+    assert api.calls == 4
+
+
+@pytest.mark.asyncio
+async def test_failed_job_carries_ray_message(serve):
+    await serve(JobsApi([(200, "RUNNING"), (200, "FAILED")]))
+    (event,) = await collect(trigger())
+    assert event.payload["status"] == "FAILED" and event.payload["message"] == "job is FAILED"
+
+
+@pytest.mark.asyncio
+async def test_unknown_job_is_lost(serve):
+    await serve(JobsApi([(404, None)]))
+    (event,) = await collect(trigger())
+    assert event.payload["status"] == "LOST"
+    assert "job lost" in event.payload["message"]
+
+
+@pytest.mark.asyncio
+async def test_wrong_token_fails_fast_without_retry_loop(serve):
+    api = JobsApi([(200, "RUNNING")])
+    await serve(api, token="wrong")
+    (event,) = await collect(trigger())
+    assert event.payload["status"] == "ERROR"
+    assert "401" in event.payload["message"] and "auth token" in event.payload["message"]
+    assert api.calls == 1
+
+
+@pytest.mark.asyncio
+async def test_outage_shorter_than_limit_is_waited_out(serve):
+    api = JobsApi([(503, None), (502, None), (200, "RUNNING"), (200, "SUCCEEDED")])
+    await serve(api)
+    (event,) = await collect(trigger(unreachable_timeout=30))
+    assert event.payload["status"] == "SUCCEEDED"
+
+
+@pytest.mark.asyncio
+async def test_outage_longer_than_limit_is_an_error(serve):
+    await serve(JobsApi([(503, None)]))
+    (event,) = await collect(trigger(unreachable_timeout=0.05))
+    assert event.payload["status"] == "ERROR"
+    assert "did not answer" in event.payload["message"]
+
+
+@pytest.mark.asyncio
+async def test_on_kill_stops_the_job(serve):
+    api = JobsApi([(200, "RUNNING")])
+    await serve(api)
+    await trigger().on_kill()
+    assert api.stopped == ["job-1"]
