@@ -150,7 +150,7 @@ class PromptSpec(_Strict):
         ]
         if len(ways) != 1:
             raise ValueError(
-                "prompt: give exactly one of prompt_column, template, messages_column, preprocess; "
+                "give exactly one of prompt_column, template, messages_column, preprocess; "
                 f"got {ways or 'none'}"
             )
         if self.system_prompt is not None and self.messages_column is not None:

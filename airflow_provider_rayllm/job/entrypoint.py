@@ -76,6 +76,14 @@ class Shaper:
         return {**dict(row[STASH] or {}), ERROR_COLUMN: str(row[message_column])}
 
 
+def _check_error_fraction(errors: int, rows: int, limit: float, where: str) -> None:
+    if rows and errors / rows > limit:
+        raise JobError(
+            f"{errors} of {rows} rows failed ({errors / rows:.1%}), above max_error_fraction={limit}; "
+            f"nothing was published ({where})"
+        )
+
+
 def _input_columns(ds: Any) -> list[str]:
     schema = ds.schema()
     if schema is None:
@@ -127,18 +135,24 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     rows_in = prepared.count()
     if rows_in == 0:
         raise JobError(f"source: no rows in {spec.source.uris!r}")
-    bad_prompts = prepared.filter(lambda r: r[PRE_ERROR] != "", **LIGHT)
+    bad_prompts = prepared.filter(lambda r: r[PRE_ERROR] != "", **LIGHT).materialize()
     good = prepared.filter(lambda r: r[PRE_ERROR] == "", **LIGHT).materialize()
-    _say("rows in: %d", rows_in)
+    unpromptable = bad_prompts.count()
+    _say("rows in: %d (%d cannot be prompted)", rows_in, unpromptable)
+    _check_error_fraction(unpromptable, rows_in, spec.limits.max_error_fraction, "before the engine started")
+    errors = bad_prompts.map(lambda r: Shaper.error(r, PRE_ERROR), **LIGHT)
+    outputs = None
 
     # 3. The engine; per-row failures come back with Ray's error column set.
-    processor = vllm_pipeline.build(p, profile, engine_kwargs, placement)
-    raw = processor(good).materialize()
-    shaper = Shaper(spec, package_dir)
-    outputs = raw.filter(lambda r: not r.get(ENGINE_ERROR), **LIGHT).map(shaper.output, **LIGHT).materialize()
-    errors = raw.filter(lambda r: bool(r.get(ENGINE_ERROR)), **LIGHT).map(lambda r: Shaper.error(r, ENGINE_ERROR), **LIGHT)
-    errors = errors.union(bad_prompts.map(lambda r: Shaper.error(r, PRE_ERROR), **LIGHT)).materialize()
-    rows_out, rows_err = outputs.count(), errors.count()
+    if rows_in > unpromptable:
+        processor = vllm_pipeline.build(p, profile, engine_kwargs, placement)
+        raw = processor(good).materialize()
+        shaper = Shaper(spec, package_dir)
+        outputs = raw.filter(lambda r: not r.get(ENGINE_ERROR), **LIGHT).map(shaper.output, **LIGHT).materialize()
+        engine_errors = raw.filter(lambda r: bool(r.get(ENGINE_ERROR)), **LIGHT)
+        errors = engine_errors.map(lambda r: Shaper.error(r, ENGINE_ERROR), **LIGHT).union(errors)
+    errors = errors.materialize()
+    rows_out, rows_err = (outputs.count() if outputs is not None else 0), errors.count()
     input_tokens = int(outputs.sum(OUTPUT_TOKENS_IN) or 0) if rows_out else 0
     output_tokens = int(outputs.sum(OUTPUT_TOKENS_OUT) or 0) if rows_out else 0
     _say("rows out: %d, error rows: %d, tokens in/out: %d/%d", rows_out, rows_err, input_tokens, output_tokens)
@@ -154,12 +168,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         for row in errors.take(3):
             _say("error row: %s", row.get(ERROR_COLUMN))
 
-    fraction = rows_err / rows_in
-    if fraction > spec.limits.max_error_fraction:
-        raise JobError(
-            f"{rows_err} of {rows_in} rows failed ({fraction:.1%}), above max_error_fraction="
-            f"{spec.limits.max_error_fraction}; error rows are in {errors_uri} (not published)"
-        )
+    _check_error_fraction(rows_err, rows_in, spec.limits.max_error_fraction, f"error rows are in {errors_uri}")
 
     # 5. Publish: the manifest goes last, then older generations are removed.
     import vllm
@@ -198,7 +207,11 @@ def _submission_id() -> str:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s rayllm: %(message)s", stream=sys.stdout)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s rayllm: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
     if len(argv) != 1:
         print(f"{ERROR_LOG_PREFIX}usage: python -m airflow_provider_rayllm.job SPEC_FILE", flush=True)
         return 2

@@ -120,3 +120,76 @@ def test_lost_event_raises_job_lost():
 def test_malformed_event_is_refused():
     with pytest.raises(RayLLMError, match="unexpected trigger event"):
         operator().execute_complete({"ti": Ti()}, {"submission_id": "x"})
+
+
+class SubmittingHook(JobsOnRecord):
+    """Records submissions as a Jobs API would."""
+
+    class settings:  # noqa: N801 - stands in for the hook's settings property
+        output_base = None
+
+        @staticmethod
+        def dashboard_job_url(sid):
+            return f"http://ray/#/jobs/{sid}"
+
+    def __init__(self, statuses):
+        super().__init__(statuses)
+        self.submitted = []
+
+    def submit_job(self, *, entrypoint, submission_id, runtime_env, metadata):
+        from pathlib import Path
+
+        spec_text = (Path(runtime_env["working_dir"]) / "spec.json").read_text()
+        self.submitted.append({"entrypoint": entrypoint, "id": submission_id, "meta": metadata, "spec": spec_text})
+        self.statuses[submission_id] = "PENDING"
+        return submission_id
+
+
+def test_execute_submits_once_then_defers_with_ids_only():
+    from airflow.sdk.exceptions import TaskDeferred
+
+    op = operator(deferrable=True, prompt_column=None, prompt_template="Q: {q} $(rm -rf /); echo 'x'")
+    hook = SubmittingHook({})
+    op.__dict__["hook"] = hook
+    ti = Ti()
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute({"ti": ti})
+    (sub,) = hook.submitted
+    assert sub["entrypoint"] == "python -m airflow_provider_rayllm.job spec.json"  # nothing templated in the command
+    assert "rm -rf" not in json.dumps(sub["meta"]) and "rm -rf" in sub["spec"]
+    path, kwargs = deferred.value.trigger.serialize()
+    assert path.endswith("RayJobTrigger") and kwargs["submission_id"] == sub["id"] and sub["id"].endswith("-g0")
+    assert deferred.value.method_name == "execute_complete"
+    assert ti.xcom["submission_id"] == sub["id"]
+
+    # The same task instance again (a retry while the job runs): no second submission.
+    op2 = operator(deferrable=True, prompt_column=None, prompt_template="Q: {q} $(rm -rf /); echo 'x'")
+    op2.__dict__["hook"] = hook
+    with pytest.raises(TaskDeferred) as again:
+        op2.execute({"ti": Ti()})
+    assert len(hook.submitted) == 1
+    assert again.value.trigger.serialize()[1]["submission_id"] == sub["id"]
+
+
+def test_changed_settings_are_a_different_job():
+    from airflow.sdk.exceptions import TaskDeferred
+
+    hook = SubmittingHook({})
+    for tokens in (8, 9):
+        op = operator(deferrable=True, sampling_params={"max_tokens": tokens})
+        op.__dict__["hook"] = hook
+        with pytest.raises(TaskDeferred):
+            op.execute({"ti": Ti()})
+    assert len({s["id"] for s in hook.submitted}) == 2
+
+
+def test_provider_registers_the_ray_connection_type():
+    from airflow.providers_manager import ProvidersManager
+
+    pm = ProvidersManager()
+    assert "airflow-provider-rayllm" in pm.providers
+    hook = pm.hooks["ray"]
+    assert hook.hook_class_name == "airflow_provider_rayllm.hooks.ray_job.RayJobHook"
+    assert hook.connection_id_attribute_name == "ray_conn_id"
+    labels = pm.field_behaviours["ray"]["relabeling"]
+    assert labels == {"host": "Ray dashboard URL", "password": "Ray auth token"}

@@ -1,0 +1,80 @@
+"""Shared test set-up.
+
+Airflow reads its configuration when first imported, so the test Airflow home (SQLite, our DAG
+bundles, no examples) is put in the environment here, before any test module imports Airflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "tests" / "artifacts"
+_HOME = Path(os.environ.get("RAYLLM_TEST_HOME") or tempfile.mkdtemp(prefix="rayllm-tests-"))
+
+os.environ.setdefault("AIRFLOW_HOME", str(_HOME / "airflow"))
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = f"sqlite:///{_HOME / 'airflow' / 'airflow.db'}"
+os.environ["AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST"] = json.dumps(
+    [
+        {
+            "name": "examples",
+            "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
+            "kwargs": {"path": str(REPO / "dags_examples")},
+        },
+        {
+            "name": "tests",
+            "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
+            "kwargs": {"path": str(REPO / "tests" / "dags")},
+        },
+    ]
+)
+os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags_examples")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+Path(os.environ["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
+
+
+@pytest.fixture(scope="session")
+def test_home() -> Path:
+    return _HOME
+
+
+@pytest.fixture(scope="session")
+def airflow_db():
+    """A migrated SQLite metadata database for dag.test()."""
+    airflow = Path(sys.executable).with_name("airflow")
+    subprocess.run([str(airflow), "db", "migrate"], check=True, capture_output=True, env=dict(os.environ))
+    return os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    from airflow_provider_rayllm.local.models import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(test_home):
+    """One real local Ray head (token auth, free ports) for the whole session."""
+    from airflow_provider_rayllm.local.cluster import LocalRayCluster
+
+    cluster = LocalRayCluster(state_dir=test_home / "ray", num_cpus=2)
+    info = cluster.start()
+    yield info
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_conn(ray_cluster, test_home):
+    """`ray_default` points at the local cluster; outputs default under the test home."""
+    output_base = test_home / "outputs"
+    os.environ["AIRFLOW_CONN_RAY_DEFAULT"] = ray_cluster.airflow_conn_uri(output_base=str(output_base))
+    return {"info": ray_cluster, "output_base": output_base}

@@ -1,0 +1,46 @@
+"""DAGs the integration tests run with dag.test(); every setting comes from the run's conf."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from airflow.sdk import DAG, Param
+
+from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
+
+PARAMS = {
+    "model_source": Param("", type="string"),
+    "input_uri": Param("", type="string"),
+    "output_uri": Param("", type="string"),
+    "prompt_column": Param("prompt", type="string"),
+    "engine_kwargs": Param({"max_model_len": 256}, type="object"),
+}
+
+
+def _operator(deferrable: bool) -> VLLMBatchOperator:
+    return VLLMBatchOperator(
+        task_id="generate",
+        model_source="{{ params.model_source }}",
+        input_uri="{{ params.input_uri }}",
+        output_uri="{{ params.output_uri or None }}",
+        prompt_column="{{ params.prompt_column }}",
+        system_prompt="Answer briefly.",
+        sampling_params={"temperature": 0, "max_tokens": 16},
+        engine_kwargs="{{ params.engine_kwargs }}",
+        max_error_fraction=0.25,
+        batch_size=8,
+        deferrable=deferrable,
+        poll_interval=1.0,
+    )
+
+
+for _dag_id, _deferrable in (("rayllm_it_deferred", True), ("rayllm_it_sync", False)):
+    with DAG(
+        dag_id=_dag_id,
+        start_date=datetime(2026, 1, 1),
+        schedule=None,
+        params=PARAMS,
+        render_template_as_native_obj=True,
+    ) as _dag:
+        _operator(_deferrable)
+    globals()[_dag_id] = _dag

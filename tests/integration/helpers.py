@@ -1,0 +1,91 @@
+"""Helpers for tests on the real local stack."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def read_rows(files: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for f in files:
+        rows.extend(pq.read_table(f["uri"]).to_pylist())
+    return rows
+
+
+def utc(*args: int) -> datetime:
+    return datetime(*args, tzinfo=timezone.utc)
+
+
+def xcom(dag_id: str, run_id: str, task_id: str, key: str) -> Any:
+    """A value the task pushed, read from the metadata database as Airflow stores it."""
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        row = session.scalars(
+            select(XComModel).where(
+                XComModel.dag_id == dag_id, XComModel.run_id == run_id, XComModel.task_id == task_id, XComModel.key == key
+            )
+        ).first()
+        if row is None:
+            return None
+        value = row.value
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def delete_runs(dag_id: str) -> None:
+    """Forget a DAG's runs, as clearing them in the UI would, so dag.test() runs the same run id again."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from sqlalchemy import delete
+
+    with create_session() as session:
+        session.execute(delete(DagRun).where(DagRun.dag_id == dag_id))
+
+
+def task_state(dag_run: Any, task_id: str) -> str:
+    return str(dag_run.get_task_instance(task_id).state)
+
+
+def jobs_with_prefix(hook: Any, prefix: str) -> list[dict[str, Any]]:
+    return [j.dict() if hasattr(j, "dict") else j for j in hook.client.list_jobs() if (j.submission_id or "").startswith(prefix)]
+
+
+class StandInTI:
+    """The parts of a task instance the operator uses, for driving execute() from a thread."""
+
+    def __init__(self, dag_id: str, run_id: str, task_id: str, map_index: int = -1, try_number: int = 1):
+        self.dag_id, self.run_id, self.task_id, self.map_index, self.try_number = dag_id, run_id, task_id, map_index, try_number
+        self.xcom: dict[str, Any] = {}
+
+    def xcom_push(self, key: str, value: Any) -> None:
+        self.xcom[key] = value
+
+
+def load_dag(folder: str, file_name: str, dag_id: str) -> Any:
+    """A fresh DAG object from its file, as a worker parses it for each task run.
+
+    dag.test() runs tasks in this process and renders templates onto the task objects, so reusing one
+    DAG object across runs would carry the previous run's rendered values into the next.
+    """
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / folder / f"{file_name}.py"
+    spec = importlib.util.spec_from_file_location(f"_rayllm_dag_{file_name}_{time.monotonic_ns()}", path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return next(v for v in vars(module).values() if getattr(v, "dag_id", None) == dag_id and hasattr(v, "test"))

@@ -1,0 +1,200 @@
+"""VLLMBatchOperator on the real stack: a local Ray head with token auth, the CPU vLLM engine and
+SmolLM2-135M-Instruct, driven by Airflow's own dag.test().
+
+Engines take 20-40 s to start here, so the module runs two engine jobs in all (the deferred run with
+error rows and the example DAG); every other case fails or is stopped before an engine starts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.integration.helpers import (
+    StandInTI,
+    delete_runs,
+    jobs_with_prefix,
+    load_dag,
+    read_rows,
+    task_state,
+    utc,
+    write_jsonl,
+    xcom,
+)
+
+pytestmark = pytest.mark.integration
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is machine learning?",
+    "Name a primary color.",
+    "What is 2 + 2?",
+    "What do bees make?",
+    "What is the opposite of hot?",
+]
+LONG_PROMPT = "word " * 600  # far beyond max_model_len=256
+DEFERRED_DATE = utc(2026, 3, 1)
+
+
+@pytest.fixture(scope="module")
+def hook(ray_conn):
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    return RayJobHook()
+
+
+@pytest.fixture(scope="module")
+def deferred_run(ray_conn, airflow_db, smollm2, test_home):
+    """One deferred run: six good questions, one prompt too long for the engine, one empty prompt."""
+    dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_deferred")
+
+    rows = [{"id": i, "prompt": q} for i, q in enumerate(QUESTIONS)]
+    rows += [{"id": 100, "prompt": LONG_PROMPT}, {"id": 101, "prompt": None}]
+    input_uri = write_jsonl(test_home / "inputs" / "deferred.jsonl", rows)
+    output_uri = str(test_home / "out" / "deferred")
+    conf = {"model_source": str(smollm2), "input_uri": input_uri, "output_uri": output_uri}
+    started = time.time()
+    dag_run = dag.test(logical_date=DEFERRED_DATE, run_conf=conf)
+    return {"dag": dag, "dag_run": dag_run, "conf": conf, "seconds": time.time() - started}
+
+
+def test_deferred_run_answers_every_good_row_and_reports_bad_rows(deferred_run):
+    dag_run = deferred_run["dag_run"]
+    assert task_state(dag_run, "generate") == "success"
+    manifest = xcom(dag_run.dag_id, dag_run.run_id, "generate", "return_value")
+    assert manifest["rows_in"] == 8
+    assert manifest["rows_out"] == 6
+    assert manifest["rows_errored"] == 2
+
+    outputs = read_rows(manifest["output_files"])
+    assert sorted(r["id"] for r in outputs) == list(range(6))
+    for row in outputs:
+        assert isinstance(row["response"], str) and row["response"].strip()
+        assert row["num_input_tokens"] > 0 and 0 < row["num_generated_tokens"] <= 16
+
+    errors = {r["id"]: r["error"] for r in read_rows(manifest["error_files"])}
+    assert set(errors) == {100, 101}
+    assert "maximum context length" in errors[100]
+    assert "column 'prompt' is empty" in errors[101]
+
+
+def test_manifest_matches_the_files(deferred_run):
+    dag_run = deferred_run["dag_run"]
+    manifest = xcom(dag_run.dag_id, dag_run.run_id, "generate", "return_value")
+    outputs = read_rows(manifest["output_files"])
+    assert len(outputs) == manifest["rows_out"]
+    assert sum(r["num_input_tokens"] for r in outputs) == manifest["input_tokens"]
+    assert sum(r["num_generated_tokens"] for r in outputs) == manifest["output_tokens"]
+    import os
+
+    for f in manifest["output_files"] + manifest["error_files"]:
+        assert os.path.getsize(f["uri"]) == f["bytes"]
+    assert manifest["output_uri"] == deferred_run["conf"]["output_uri"]
+    assert manifest["versions"]["ray"] == "2.60.0"
+    assert manifest["model"] == deferred_run["conf"]["model_source"]
+    assert manifest["run"]["dag_id"] == "rayllm_it_deferred"
+    assert xcom(dag_run.dag_id, dag_run.run_id, "generate", "output_uri") == manifest["outputs_uri"]
+    assert xcom(dag_run.dag_id, dag_run.run_id, "generate", "ray_job_url").endswith(manifest["submission_id"])
+
+
+def test_same_task_instance_again_creates_no_second_job(deferred_run, hook):
+    dag, conf = load_dag("tests/dags", "rayllm_it", "rayllm_it_deferred"), deferred_run["conf"]
+    first = xcom(dag.dag_id, deferred_run["dag_run"].run_id, "generate", "return_value")
+    base_id = first["submission_id"].rsplit("-g", 1)[0]
+    delete_runs(dag.dag_id)
+    started = time.time()
+    again = dag.test(logical_date=DEFERRED_DATE, run_conf=conf)
+    assert time.time() - started < deferred_run["seconds"]
+    assert task_state(again, "generate") == "success"
+    assert again.run_id == deferred_run["dag_run"].run_id
+    second = xcom(dag.dag_id, again.run_id, "generate", "return_value")
+    assert second["submission_id"] == first["submission_id"]
+    assert [j["submission_id"] for j in jobs_with_prefix(hook, base_id)] == [first["submission_id"]]
+
+
+def test_example_dag_runs_the_guides_quickstart(ray_conn, airflow_db, smollm2):
+    """dags_examples/example_vllm_batch.py as shipped; output under the connection's output_base."""
+    dag = load_dag("dags_examples", "example_vllm_batch", "example_vllm_batch")
+    dag_run = dag.test(logical_date=utc(2026, 3, 2), run_conf={"model_source": str(smollm2), "max_tokens": 24})
+    assert task_state(dag_run, "answer") == "success"
+    manifest = xcom(dag.dag_id, dag_run.run_id, "answer", "return_value")
+    assert manifest["rows_in"] == manifest["rows_out"] == 16
+    assert manifest["rows_errored"] == 0
+    assert manifest["output_uri"].startswith(str(ray_conn["output_base"] / "example_vllm_batch"))
+    answers = {r["prompt"]: r["response"] for r in read_rows(manifest["output_files"])}
+    assert "paris" in answers["What is the capital of France?"].lower()
+
+
+def _failed_job(hook, dag, conf, date):
+    dag_run = dag.test(logical_date=date, run_conf=conf)
+    assert task_state(dag_run, "generate") == "failed"
+    jobs = [j for j in hook.client.list_jobs() if (j.metadata or {}).get("airflow_run_id") == dag_run.run_id]
+    assert len(jobs) == 1, "a bad configuration is submitted once and not retried into new jobs"
+    job = jobs[0]
+    assert str(job.status) in ("FAILED", "JobStatus.FAILED")
+    logs = hook.get_job_logs(job.submission_id)
+    assert "vLLMEngineStageUDF" not in logs, "the engine must not start for a bad configuration"
+    return [line for line in logs.splitlines() if line.startswith("RAYLLM_ERROR ")][-1]
+
+
+@pytest.mark.parametrize(
+    "day, overrides, expected",
+    [
+        (1, {"engine_kwargs": {"max_modle_len": 256}}, "unknown vLLM engine argument(s) ['max_modle_len']"),
+        (2, {"prompt_column": "question"}, "prompt needs column(s) ['question'] that the input lacks"),
+        (3, {"input_uri": "/nonexistent/in.jsonl"}, "source.uris: '/nonexistent/in.jsonl' does not exist"),
+        (4, {"model_source": "/nonexistent/model"}, "model_source '/nonexistent/model' is not a folder"),
+    ],
+)
+def test_bad_configuration_fails_before_any_engine_starts(day, overrides, expected, ray_conn, airflow_db, smollm2, test_home, hook):
+    dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_sync")
+    input_uri = write_jsonl(test_home / "inputs" / "small.jsonl", [{"id": 1, "prompt": "hi"}])
+    output_uri = test_home / "out" / f"bad-{day}"
+    conf = {"model_source": str(smollm2), "input_uri": input_uri, "output_uri": str(output_uri), **overrides}
+    error = _failed_job(hook, dag, conf, utc(2026, 4, day))
+    assert expected in error
+    assert not (output_uri / "manifest.json").exists()
+
+
+def test_killing_the_task_stops_the_ray_job(ray_conn, smollm2, test_home, hook):
+    from airflow_provider_rayllm.exceptions import RayJobFailed
+    from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
+
+    input_uri = write_jsonl(test_home / "inputs" / "kill.jsonl", [{"prompt": q} for q in QUESTIONS])
+    op = VLLMBatchOperator(
+        task_id="generate",
+        input_uri=input_uri,
+        model_source=str(smollm2),
+        prompt_column="prompt",
+        output_uri=str(test_home / "out" / "kill"),
+        deferrable=False,
+        poll_interval=0.5,
+    )
+    ti = StandInTI("kill_dag", "manual__kill", "generate")
+    outcome: dict = {}
+
+    def run():
+        try:
+            op.execute({"ti": ti})
+        except Exception as exc:
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.time() + 60
+    while "submission_id" not in ti.xcom and time.time() < deadline:
+        time.sleep(0.2)
+    sid = ti.xcom["submission_id"]
+    while hook.get_job_info(sid)["status"] != "RUNNING" and time.time() < deadline:
+        time.sleep(0.2)
+    killed = time.time()
+    op.on_kill()
+    while hook.get_job_info(sid)["status"] != "STOPPED" and time.time() - killed < 30:
+        time.sleep(0.2)
+    seconds_to_stop = time.time() - killed
+    worker.join(timeout=60)
+    assert hook.get_job_info(sid)["status"] == "STOPPED"
+    assert seconds_to_stop < 10
+    assert isinstance(outcome.get("error"), RayJobFailed) and "ended STOPPED" in str(outcome["error"])
