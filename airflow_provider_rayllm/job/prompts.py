@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 from typing import Any, Callable
 
@@ -40,6 +41,11 @@ def load_callable(ref: CallableRef, package_dir: str) -> Callable[[dict], dict]:
         ) from exc
 
 
+def _is_empty(value: Any) -> bool:
+    # A JSON null or an empty CSV cell can arrive as None or as NaN, depending on the reader.
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def _jsonable(value: Any) -> Any:
     """Numpy values from Arrow rows become plain Python for the JSON request."""
     if hasattr(value, "tolist"):
@@ -64,13 +70,13 @@ class RequestBuilder:
         p = self.prompt
         if p.prompt_column is not None:
             value = row.get(p.prompt_column)
-            if value is None:
+            if _is_empty(value):
                 raise ValueError(f"column {p.prompt_column!r} is empty")
             if not isinstance(value, str):
                 raise ValueError(f"column {p.prompt_column!r} holds {type(value).__name__}, not text")
             return value
         assert p.template is not None
-        missing = [c for c in p.template_columns() if row.get(c) is None]
+        missing = [c for c in p.template_columns() if _is_empty(row.get(c))]
         if missing:
             raise ValueError(f"template column(s) {missing!r} are empty")
         return p.template.format(**row)

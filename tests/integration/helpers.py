@@ -42,8 +42,7 @@ def xcom(dag_id: str, run_id: str, task_id: str, key: str) -> Any:
         ).first()
         if row is None:
             return None
-        value = row.value
-    return json.loads(value) if isinstance(value, str) else value
+        return row.value
 
 
 def delete_runs(dag_id: str) -> None:

@@ -56,7 +56,7 @@ def deferred_run(ray_conn, airflow_db, smollm2, test_home):
     output_uri = str(test_home / "out" / "deferred")
     conf = {"model_source": str(smollm2), "input_uri": input_uri, "output_uri": output_uri}
     started = time.time()
-    dag_run = dag.test(logical_date=DEFERRED_DATE, run_conf=conf)
+    dag_run = dag.test(logical_date=DEFERRED_DATE, run_after=DEFERRED_DATE, run_conf=conf)
     return {"dag": dag, "dag_run": dag_run, "conf": conf, "seconds": time.time() - started}
 
 
@@ -105,7 +105,7 @@ def test_same_task_instance_again_creates_no_second_job(deferred_run, hook):
     base_id = first["submission_id"].rsplit("-g", 1)[0]
     delete_runs(dag.dag_id)
     started = time.time()
-    again = dag.test(logical_date=DEFERRED_DATE, run_conf=conf)
+    again = dag.test(logical_date=DEFERRED_DATE, run_after=DEFERRED_DATE, run_conf=conf)
     assert time.time() - started < deferred_run["seconds"]
     assert task_state(again, "generate") == "success"
     assert again.run_id == deferred_run["dag_run"].run_id

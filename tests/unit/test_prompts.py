@@ -32,6 +32,11 @@ def test_empty_column_is_an_error_row_not_an_exception():
     assert out[STASH]["id"] == 2
 
 
+def test_nan_from_a_reader_counts_as_empty():
+    out = build({"template": "About {q}"})({"id": 2, "q": float("nan")})
+    assert "template column(s) ['q'] are empty" in out[PRE_ERROR]
+
+
 def test_non_text_prompt_is_an_error_row():
     out = build({"prompt_column": "q"})({"id": 3, "q": 42})
     assert "holds int, not text" in out[PRE_ERROR]
