@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 import string
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -94,19 +94,31 @@ class FileSource(_Strict):
 
     @model_validator(mode="after")
     def _known_format(self) -> FileSource:
+        # File names decide when they can; for folders the job decides from the files it finds.
         if self.format is None:
             formats = {format_from_uri(u) for u in self.uris}
-            if len(formats) != 1 or None in formats:
-                raise ValueError(
-                    f"source.format is not given and cannot be inferred from {self.uris!r}; "
-                    "set input_format to one of 'parquet', 'jsonl', 'csv'"
-                )
-            self.format = formats.pop()
+            if len(formats) == 1 and None not in formats:
+                self.format = formats.pop()
         return self
 
 
-# Issue 3 adds a SQL source; the kind field then discriminates.
-Source = FileSource
+class SqlSource(_Strict):
+    kind: Literal["sql"] = Field("sql", description="Input from a SQL query the Ray job runs itself.")
+    sql: str = Field(min_length=1, description="A SELECT statement; rows never pass through the Airflow worker.")
+    dialect: Literal["postgresql", "mysql", "sqlite"] = Field(description="Database kind, from the Airflow connection.")
+    shard_keys: list[str] | None = Field(None, description="Columns to split the query into parallel reads.")
+    parallelism: int | None = Field(None, ge=1, description="Number of parallel reads when shard_keys are given.")
+
+    @field_validator("sql")
+    @classmethod
+    def _one_statement(cls, value: str) -> str:
+        body = value.strip().rstrip(";").strip()
+        if ";" in body:
+            raise ValueError(f"sql must be one statement, got {value!r}")
+        return body
+
+
+Source = Annotated[Union[FileSource, SqlSource], Field(discriminator="kind")]
 
 
 class CallableRef(_Strict):
@@ -308,6 +320,14 @@ class JobSpec(_Strict):
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
     run: RunSpec = Field(default_factory=RunSpec)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _source_kind(cls, data: Any) -> Any:
+        # A source with uris and no kind is a file source (the common case, and older specs).
+        if isinstance(data, dict) and isinstance(data.get("source"), dict) and "kind" not in data["source"]:
+            data = {**data, "source": {**data["source"], "kind": "sql" if "sql" in data["source"] else "files"}}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
         p = self.prompt
@@ -359,18 +379,28 @@ def map_guide_flags(settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
-    """One line per problem: the dotted field, what is wrong, and the value given."""
-    lines = []
+def _field_path(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc]
+    # A discriminated union puts the chosen tag in the path: source.files.uris -> source.uris.
+    if len(parts) > 1 and parts[0] == "source" and parts[1] in ("files", "sql"):
+        del parts[1]
+    return ".".join(p for p in parts if not p.startswith("function-"))
+
+
+def format_validation_error(exc: ValidationError, rename: Callable[[str], str] | None = None) -> str:
+    """One clause per problem: the field (as the user named it), what is wrong, and the value given."""
+    clauses = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
-        loc = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "spec"
+        path = _field_path(err["loc"]) or "spec"
+        field = rename(path) if rename else path
+        value = err.get("input")
         if err["type"] == "extra_forbidden":
-            lines.append(f"{loc}: unknown setting (value {err.get('input')!r})")
-        else:
-            msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{loc}: {msg} (got {err.get('input')!r})" if "input" in err and not isinstance(err.get("input"), dict) else f"{loc}: {msg}")
-    return "; ".join(lines)
+            clauses.append(f"{field}: unknown setting (value {value!r})")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        shown = "" if isinstance(value, dict) or "input" not in err else f" (got {value!r})"
+        clauses.append(f"{field}: {msg}{shown}")
+    return "; ".join(clauses)
 
 
 def parse_spec(data: str | dict[str, Any]) -> JobSpec:

@@ -15,7 +15,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from airflow_provider_rayllm.job import io, manifest, vllm_pipeline
+from airflow_provider_rayllm.job import io, manifest, secrets, sql, vllm_pipeline
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.prompts import PRE_ERROR, STASH, RequestBuilder, load_callable
 from airflow_provider_rayllm.spec import (
@@ -25,6 +25,7 @@ from airflow_provider_rayllm.spec import (
     OUTPUT_TOKENS_OUT,
     JobSpec,
     SpecError,
+    SqlSource,
     parse_spec,
 )
 
@@ -109,10 +110,17 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     vllm_pipeline.check_engine_kwargs(p.model_source, engine_kwargs)
     _say("profile %s (cluster GPUs: %g); engine_kwargs %s; placement %s", profile, gpus, engine_kwargs, placement)
 
-    files = io.expand_source(spec.source)
-    _say("source: %d file(s), format %s", len(files), spec.source.format)
-    ds = io.read_source(spec.source, files)
-    columns = _input_columns(ds)
+    if isinstance(spec.source, SqlSource):
+        columns = sql.probe_columns(spec.source)
+        _say("source: %s query with columns %s", spec.source.dialect, columns)
+        ds = sql.read(spec.source)
+        where = "the query"
+    else:
+        files = io.expand_source(spec.source)
+        _say("source: %d file(s), format %s", len(files), io.file_format(spec.source, files))
+        ds = io.read_source(spec.source, files)
+        columns = _input_columns(ds)
+        where = repr(spec.source.uris)
     missing = [c for c in spec.prompt.required_columns() if c not in columns]
     if missing:
         raise JobError(f"prompt needs column(s) {missing!r} that the input lacks; input columns: {columns!r}")
@@ -134,7 +142,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     prepared = ds.map(builder, **LIGHT).materialize()
     rows_in = prepared.count()
     if rows_in == 0:
-        raise JobError(f"source: no rows in {spec.source.uris!r}")
+        raise JobError(f"source: no rows in {where}")
     bad_prompts = prepared.filter(lambda r: r[PRE_ERROR] != "", **LIGHT).materialize()
     good = prepared.filter(lambda r: r[PRE_ERROR] == "", **LIGHT).materialize()
     unpromptable = bad_prompts.count()
@@ -218,13 +226,16 @@ def main(argv: list[str]) -> int:
     spec_path = os.path.abspath(argv[0])
     package_dir = os.path.dirname(spec_path)
     submission_id = _submission_id()
+    loaded = secrets.load_into_env(package_dir)
+    if loaded:
+        _say("secrets loaded into the environment: %s", loaded)
     try:
         with open(spec_path, encoding="utf-8") as handle:
             spec = parse_spec(handle.read())
-        _say("submission %s: %s over %s -> %s", submission_id, spec.processor.model_source, spec.source.uris, spec.sink.uri)
+        _say("submission %s: %s -> %s", submission_id, spec.processor.model_source, spec.sink.uri)
         body = run(spec, submission_id, package_dir)
     except (JobError, SpecError) as exc:
-        print(f"{ERROR_LOG_PREFIX}{exc}", flush=True)
+        print(f"{ERROR_LOG_PREFIX}{secrets.scrub(str(exc), secrets.secret_values())}", flush=True)
         return 1
     print(manifest.log_line(body), flush=True)
     return 0

@@ -6,24 +6,59 @@ import glob as globlib
 import json
 import os
 import posixpath
-from typing import Any
+from typing import Any, Mapping
 
 import pyarrow.fs as pafs
 
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.spec import FileSource, uri_scheme
+from airflow_provider_rayllm.spec import FileSource, format_from_uri, uri_scheme
 
 
-def filesystem_for(uri: str) -> tuple[pafs.FileSystem, str]:
-    """The pyarrow filesystem for ``uri`` and the path inside it."""
+def _endpoint(url: str) -> tuple[str, str]:
+    """'http://127.0.0.1:9000' -> ('127.0.0.1:9000', 'http')."""
+    scheme, _, rest = url.partition("://")
+    return (rest.rstrip("/"), scheme) if rest else (scheme.rstrip("/"), "https")
+
+
+def _s3(env: Mapping[str, str]) -> pafs.FileSystem:
+    # Credentials come from the standard AWS variables (set from the job's secrets file or the cluster).
+    kwargs: dict[str, Any] = {"region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"}
+    if env.get("AWS_ACCESS_KEY_ID"):
+        kwargs.update(
+            access_key=env["AWS_ACCESS_KEY_ID"],
+            secret_key=env.get("AWS_SECRET_ACCESS_KEY"),
+            session_token=env.get("AWS_SESSION_TOKEN"),
+        )
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        kwargs["endpoint_override"], kwargs["scheme"] = _endpoint(endpoint)
+    return pafs.S3FileSystem(**kwargs)
+
+
+def _gcs(env: Mapping[str, str]) -> pafs.FileSystem:
+    emulator = env.get("STORAGE_EMULATOR_HOST")
+    if emulator:
+        host, scheme = _endpoint(emulator)
+        return pafs.GcsFileSystem(endpoint_override=host, scheme=scheme, anonymous=True)
+    return pafs.GcsFileSystem()
+
+
+def filesystem_for(uri: str, env: Mapping[str, str] | None = None) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem for ``uri`` and the path inside it; settings from ``env`` (default: os.environ)."""
+    env = os.environ if env is None else env
     scheme = uri_scheme(uri)
     if scheme == "file":
         path = uri[len("file://") :] if uri.startswith("file://") else uri
         return pafs.LocalFileSystem(), os.path.abspath(path)
+    path = uri.split("://", 1)[1]
     try:
-        return pafs.FileSystem.from_uri(uri)
-    except Exception as exc:  # pyarrow raises several types for a bad URI or missing credentials
+        if scheme == "s3":
+            return _s3(env), path
+        if scheme in ("gs", "gcs"):
+            return _gcs(env), path
+    except Exception as exc:  # pyarrow raises several types for bad settings or missing credentials
         raise JobError(f"cannot open {uri!r}: {exc}") from exc
+    raise JobError(f"{uri!r}: unsupported scheme {scheme!r}")
 
 
 def join(base: str, *parts: str) -> str:
@@ -81,20 +116,34 @@ def expand_source(source: FileSource) -> list[str]:
     return files
 
 
+def file_format(source: FileSource, files: list[str]) -> str:
+    if source.format:
+        return source.format
+    formats = {format_from_uri(f) for f in files}
+    if len(formats) != 1 or None in formats:
+        shown = sorted(os.path.basename(f) for f in files)[:5]
+        raise JobError(
+            f"source.format: cannot infer one format from the files {shown!r}; "
+            "set input_format to 'parquet', 'jsonl' or 'csv'"
+        )
+    return str(formats.pop())
+
+
 def read_source(source: FileSource, files: list[str]) -> Any:
     """A lazy Ray dataset over the given files."""
     import ray.data
 
+    fmt = file_format(source, files)
     kwargs: dict[str, Any] = {}
     fs, _ = filesystem_for(files[0])
     if uri_scheme(files[0]) != "file":
         kwargs["filesystem"] = fs
         files = [filesystem_for(f)[1] for f in files]
-    if source.format == "parquet":
+    if fmt == "parquet":
         if source.columns:
             kwargs["columns"] = source.columns
         return ray.data.read_parquet(files, **kwargs)
-    if source.format == "jsonl":
+    if fmt == "jsonl":
         ds = ray.data.read_json(files, lines=True, **kwargs)
     else:
         ds = ray.data.read_csv(files, **kwargs)
@@ -137,8 +186,8 @@ def write_text_atomic(uri: str, text: str) -> None:
             out.write(text.encode())
 
 
-def read_json(uri: str) -> dict[str, Any] | None:
-    fs, path = filesystem_for(uri)
+def read_json(uri: str, env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    fs, path = filesystem_for(uri, env)
     if fs.get_file_info(path).type == pafs.FileType.NotFound:
         return None
     with fs.open_input_stream(path) as stream:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Mapping
 
 from airflow_provider_rayllm import __version__
 from airflow_provider_rayllm.job import io
@@ -72,8 +72,8 @@ def publish(output_uri: str, body: dict[str, Any]) -> None:
     io.write_text_atomic(manifest_uri(output_uri), json.dumps(body, indent=2, sort_keys=True))
 
 
-def read(output_uri: str) -> dict[str, Any] | None:
-    return io.read_json(manifest_uri(output_uri))
+def read(output_uri: str, env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    return io.read_json(manifest_uri(output_uri), env)
 
 
 def remove_stale_generations(output_uri: str, keep_submission_id: str) -> None:

@@ -19,6 +19,8 @@ from airflow.sdk import BaseOperator, conf
 
 from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayLLMError
 from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, RayJobHook
+from airflow_provider_rayllm.job.secrets import SECRETS_FILE, SETUP_HOOK
+from airflow_provider_rayllm.operators import credentials
 from airflow_provider_rayllm.links import RayJobLink
 from airflow_provider_rayllm.spec import ERROR_LOG_PREFIX, MANIFEST_LOG_PREFIX, JobSpec, RunSpec, SpecError
 from airflow_provider_rayllm.triggers.ray_job import RayJobTrigger
@@ -31,7 +33,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MAX_GENERATIONS = 100
 METADATA_OUTPUT_URI = "rayllm_output_uri"
 
-# Spec paths shown as the operator argument a user wrote.
+# Spec paths shown as the operator argument a user wrote; other sections' fields keep their own names.
 _ARG_NAMES = {
     "source.uris": "input_uri",
     "source.format": "input_format",
@@ -42,11 +44,13 @@ _ARG_NAMES = {
 }
 
 
-def _user_field(path: str) -> str:
+def user_field(path: str) -> str:
+    """'processor.batch_size' -> 'batch_size'; 'source.uris.0' -> 'input_uri.0'."""
     for spec_path, arg in _ARG_NAMES.items():
         if path == spec_path or path.startswith(spec_path + "."):
             return arg + path[len(spec_path) :]
-    return path.split(".", 1)[1] if path.split(".", 1)[0] in {"processor", "prompt", "limits", "source", "sink"} and "." in path else path
+    section, _, rest = path.partition(".")
+    return rest if rest and section in {"processor", "prompt", "limits", "source", "sink"} else path
 
 
 def _safe(part: Any) -> str:
@@ -87,6 +91,8 @@ class RayLLMBatchBaseOperator(BaseOperator):
         poll_interval: float = 5.0,
         job_runtime_env: dict[str, Any] | None = None,
         ship_package: bool = True,
+        aws_conn_id: str | None = None,
+        gcp_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -99,6 +105,8 @@ class RayLLMBatchBaseOperator(BaseOperator):
         self.poll_interval = poll_interval
         self.job_runtime_env = job_runtime_env
         self.ship_package = ship_package
+        self.aws_conn_id = aws_conn_id
+        self.gcp_conn_id = gcp_conn_id
         self._submission_id: str | None = None
 
     @cached_property
@@ -148,10 +156,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
         try:
             return JobSpec.model_validate(body)
         except ValidationError as exc:
-            problems = format_validation_error(exc)
-            for spec_path in sorted({".".join(str(p) for p in e["loc"]) for e in exc.errors()}, key=len, reverse=True):
-                problems = problems.replace(spec_path + ":", _user_field(spec_path) + ":")
-            raise InvalidSpec(f"{self.task_id}: invalid settings: {problems}") from None
+            raise InvalidSpec(f"{self.task_id}: invalid settings: {format_validation_error(exc, user_field)}") from None
 
     # --- submit / attach ------------------------------------------------------------------------
     def _resolve_generation(self, base_id: str) -> tuple[str, str]:
@@ -170,17 +175,34 @@ class RayLLMBatchBaseOperator(BaseOperator):
             last = (sid, info)
         raise RayLLMError(f"{base_id}: {MAX_GENERATIONS} generations already ran; refusing to submit another")
 
+    def job_secrets(self) -> dict[str, str]:
+        """Environment variables the job's processes need that must not show in the Jobs API."""
+        env: dict[str, str] = {}
+        if self.aws_conn_id:
+            env.update(credentials.aws_env(self.aws_conn_id))
+        if self.gcp_conn_id:
+            env.update(credentials.gcp_env(self.gcp_conn_id))
+        return env
+
     def _runtime_env(self, package_dir: Path) -> dict[str, Any]:
         env = dict(self.job_runtime_env or {})
-        if "working_dir" in env:
-            raise InvalidSpec("job_runtime_env.working_dir is set by the operator (it carries the job spec)")
+        for key in ("working_dir", "worker_process_setup_hook"):
+            if key in env:
+                raise InvalidSpec(f"job_runtime_env.{key} is set by the operator (it carries the job spec and secrets)")
         env["working_dir"] = str(package_dir)
+        env["worker_process_setup_hook"] = SETUP_HOOK
         if self.ship_package:
             env["py_modules"] = [*env.get("py_modules", []), str(PACKAGE_DIR)]
         return env
 
     def _submit(self, submission_id: str, spec: JobSpec, package_dir: Path) -> None:
         (package_dir / "spec.json").write_text(spec.to_json())
+        secrets = self.job_secrets()
+        if secrets:
+            path = package_dir / SECRETS_FILE
+            path.touch(mode=0o600)
+            path.write_text(json.dumps(secrets))
+            self.log.info("Job secrets passed through the job package: %s", sorted(secrets))
         metadata = {
             METADATA_OUTPUT_URI: spec.sink.uri,
             "rayllm_submission_id": submission_id,
@@ -301,7 +323,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
             try:
                 from airflow_provider_rayllm.job import manifest as manifest_io
 
-                manifest = manifest_io.read(output_uri)
+                manifest = manifest_io.read(output_uri, {**os.environ, **self.job_secrets()})
             except Exception as exc:  # e.g. a path only the cluster can see
                 self.log.info("Manifest at %s not readable from this worker (%s); using the job log copy", output_uri, exc)
         if manifest is None or manifest.get("submission_id") != submission_id:

@@ -7,8 +7,9 @@ import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from airflow_provider_rayllm.operators import credentials
 from airflow_provider_rayllm.operators.base import RayLLMBatchBaseOperator
-from airflow_provider_rayllm.spec import map_guide_flags
+from airflow_provider_rayllm.spec import SpecError, map_guide_flags
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -51,6 +52,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
 
     template_fields: Sequence[str] = (
         "input_uri",
+        "sql",
         "output_uri",
         "model_source",
         "prompt_column",
@@ -62,13 +64,22 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         "dynamic_lora_loading_path",
         "max_rows",
     )
-    template_fields_renderers = {"sampling_params": "json", "engine_kwargs": "json", "prompt_template": "jinja"}
+    template_fields_renderers = {
+        "sampling_params": "json",
+        "engine_kwargs": "json",
+        "prompt_template": "jinja",
+        "sql": "sql",
+    }
 
     def __init__(
         self,
         *,
-        input_uri: str | list[str],
         model_source: str,
+        input_uri: str | list[str] | None = None,
+        sql: str | None = None,
+        sql_conn_id: str | None = None,
+        sql_shard_keys: list[str] | None = None,
+        sql_parallelism: int | None = None,
         input_format: str | None = None,
         input_columns: list[str] | None = None,
         prompt_column: str | None = None,
@@ -108,6 +119,10 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
     ) -> None:
         super().__init__(**kwargs)
         self.input_uri = input_uri
+        self.sql = sql
+        self.sql_conn_id = sql_conn_id
+        self.sql_shard_keys = sql_shard_keys
+        self.sql_parallelism = sql_parallelism
         self.model_source = model_source
         self.input_format = input_format
         self.input_columns = input_columns
@@ -148,6 +163,28 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         self.log_engine_metrics = log_engine_metrics
         self.resource_profile = resource_profile
 
+    def source_body(self) -> dict[str, Any]:
+        if (self.input_uri is None) == (self.sql is None):
+            raise SpecError("give exactly one of input_uri (files) or sql (with sql_conn_id)")
+        if self.sql is None:
+            return {"kind": "files", "uris": self.input_uri, "format": self.input_format, "columns": self.input_columns}
+        if not self.sql_conn_id:
+            raise SpecError("sql needs sql_conn_id, the Airflow connection of the database")
+        dialect, _ = credentials.sql_source(self.sql_conn_id)
+        return {
+            "kind": "sql",
+            "sql": self.sql,
+            "dialect": dialect,
+            "shard_keys": self.sql_shard_keys,
+            "parallelism": self.sql_parallelism,
+        }
+
+    def job_secrets(self) -> dict[str, str]:
+        env = super().job_secrets()
+        if self.sql is not None and self.sql_conn_id:
+            env.update(credentials.sql_source(self.sql_conn_id)[1])
+        return env
+
     def spec_body(self, context: Context, output_uri: str, package_dir: Path) -> dict[str, Any]:
         stages = map_guide_flags({k: v for k, v in self.stage_settings.items() if v is not None})
         processor: dict[str, Any] = {
@@ -170,12 +207,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         }
         return {
             "kind": "vllm",
-            "source": {
-                "kind": "files",
-                "uris": self.input_uri,
-                "format": self.input_format,
-                "columns": self.input_columns,
-            },
+            "source": self.source_body(),
             "prompt": {
                 "prompt_column": self.prompt_column,
                 "template": self.prompt_template,

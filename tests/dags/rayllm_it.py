@@ -17,7 +17,7 @@ PARAMS = {
 }
 
 
-def _operator(deferrable: bool) -> VLLMBatchOperator:
+def _operator(deferrable: bool, **kwargs) -> VLLMBatchOperator:
     return VLLMBatchOperator(
         task_id="generate",
         model_source="{{ params.model_source }}",
@@ -31,10 +31,18 @@ def _operator(deferrable: bool) -> VLLMBatchOperator:
         batch_size=8,
         deferrable=deferrable,
         poll_interval=1.0,
+        **kwargs,
     )
 
 
-for _dag_id, _deferrable in (("rayllm_it_deferred", True), ("rayllm_it_sync", False)):
+_VARIANTS = {
+    "rayllm_it_deferred": {"deferrable": True},
+    "rayllm_it_sync": {"deferrable": False},
+    # Input from GCS, output to S3, credentials from Airflow connections.
+    "rayllm_it_buckets": {"deferrable": True, "aws_conn_id": "s3_test", "gcp_conn_id": "gcs_test"},
+}
+
+for _dag_id, _kwargs in _VARIANTS.items():
     with DAG(
         dag_id=_dag_id,
         start_date=datetime(2026, 1, 1),
@@ -42,5 +50,5 @@ for _dag_id, _deferrable in (("rayllm_it_deferred", True), ("rayllm_it_sync", Fa
         params=PARAMS,
         render_template_as_native_obj=True,
     ) as _dag:
-        _operator(_deferrable)
+        _operator(**_kwargs)
     globals()[_dag_id] = _dag

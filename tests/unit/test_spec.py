@@ -51,9 +51,10 @@ def test_bad_input_uri_is_refused(uri):
         parse_spec(body(source={"uris": uri, "format": "jsonl"}))
 
 
-def test_format_must_be_inferable():
-    with pytest.raises(SpecError, match="cannot be inferred"):
-        parse_spec(body(source={"uris": "/data/folder"}))
+def test_format_is_inferred_from_names_or_left_to_the_job():
+    assert parse_spec(body(source={"uris": ["/a/x.parquet", "s3://b/y.parquet"]})).source.format == "parquet"
+    assert parse_spec(body(source={"uris": "/data/folder"})).source.format is None
+    assert parse_spec(body(source={"uris": ["/a.csv", "/b.jsonl"]})).source.format is None
     assert parse_spec(body(source={"uris": "/data/folder", "format": "parquet"})).source.format == "parquet"
 
 

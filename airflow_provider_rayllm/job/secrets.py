@@ -1,0 +1,53 @@
+"""Secrets reach the job as a file in its runtime_env working_dir, never as text the Jobs API shows.
+
+The operator writes ``secrets.json`` (environment variables) next to ``spec.json``. The driver loads it
+at start; every Ray worker of the job loads it through ``worker_process_setup_hook``, so read tasks and
+engine actors get credentials in their own process environment. Neither the entrypoint, the job
+metadata nor the runtime_env env_vars carry a secret, and nothing here logs a value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+
+SECRETS_FILE = "secrets.json"
+SETUP_HOOK = "airflow_provider_rayllm.job.secrets.load_into_env"
+# A service-account key travels as JSON text and becomes a 0600 file for the Google clients.
+GCP_KEYFILE_JSON = "RAYLLM_GCP_KEYFILE_JSON"
+
+
+def load_into_env(directory: str | None = None) -> list[str]:
+    """Set the job's secrets as environment variables of this process; returns the names set."""
+    path = os.path.join(directory or os.getcwd(), SECRETS_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as handle:
+        values: dict[str, str] = json.load(handle)
+    keyfile = values.pop(GCP_KEYFILE_JSON, None)
+    if keyfile:
+        fd, key_path = tempfile.mkstemp(prefix="rayllm-gcp-", suffix=".json")
+        with os.fdopen(fd, "w") as out:
+            out.write(keyfile)
+        os.chmod(key_path, stat.S_IRUSR | stat.S_IWUSR)
+        values["GOOGLE_APPLICATION_CREDENTIALS"] = key_path
+    for name, value in values.items():
+        os.environ[name] = str(value)
+    return sorted(values)
+
+
+def secret_values() -> list[str]:
+    """The values loaded from the secrets file, so messages can be scrubbed of them."""
+    path = os.path.join(os.getcwd(), SECRETS_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as handle:
+        return [str(v) for v in json.load(handle).values() if v and len(str(v)) >= 4]
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    for value in secrets:
+        text = text.replace(value, "***")
+    return text

@@ -1,0 +1,92 @@
+"""Credentials from Airflow connections, turned into the environment the Ray job's processes need.
+
+They travel in the job package's ``secrets.json`` (see ``job/secrets.py``): never in the entrypoint,
+metadata, runtime_env env_vars, logs or XCom.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.sdk import BaseHook
+
+from airflow_provider_rayllm.exceptions import InvalidSpec
+from airflow_provider_rayllm.job.secrets import GCP_KEYFILE_JSON
+
+
+def _extra(conn: Any, name: str, conn_type: str) -> Any:
+    extra = conn.extra_dejson or {}
+    return extra.get(name) or extra.get(f"extra__{conn_type}__{name}")
+
+
+def aws_env(conn_id: str) -> dict[str, str]:
+    """An Airflow ``aws`` connection: login/password = key id/secret; extras region_name, endpoint_url."""
+    conn = BaseHook.get_connection(conn_id)
+    env: dict[str, str] = {}
+    if conn.login:
+        env["AWS_ACCESS_KEY_ID"] = conn.login
+    if conn.password:
+        env["AWS_SECRET_ACCESS_KEY"] = conn.password
+    token = _extra(conn, "aws_session_token", "aws")
+    if token:
+        env["AWS_SESSION_TOKEN"] = token
+    region = _extra(conn, "region_name", "aws")
+    if region:
+        env["AWS_REGION"] = env["AWS_DEFAULT_REGION"] = region
+    service_config = (conn.extra_dejson or {}).get("service_config") or {}
+    endpoint = _extra(conn, "endpoint_url", "aws") or (service_config.get("s3") or {}).get("endpoint_url")
+    if endpoint:
+        env["AWS_ENDPOINT_URL"] = endpoint
+    if bool(env.get("AWS_ACCESS_KEY_ID")) != bool(env.get("AWS_SECRET_ACCESS_KEY")):
+        raise InvalidSpec(f"connection {conn_id!r}: give both the access key id (login) and the secret (password)")
+    return env
+
+
+def gcp_env(conn_id: str) -> dict[str, str]:
+    """A ``google_cloud_platform`` connection: keyfile_dict or key_path, project; storage_emulator_host for tests."""
+    conn = BaseHook.get_connection(conn_id)
+    env: dict[str, str] = {}
+    keyfile = _extra(conn, "keyfile_dict", "google_cloud_platform")
+    key_path = _extra(conn, "key_path", "google_cloud_platform")
+    if keyfile:
+        import json
+
+        env[GCP_KEYFILE_JSON] = keyfile if isinstance(keyfile, str) else json.dumps(keyfile)
+    elif key_path:
+        env["GOOGLE_APPLICATION_CREDENTIALS"] = key_path
+    project = _extra(conn, "project", "google_cloud_platform")
+    if project:
+        env["GOOGLE_CLOUD_PROJECT"] = project
+    emulator = _extra(conn, "storage_emulator_host", "google_cloud_platform")
+    if emulator:
+        env["STORAGE_EMULATOR_HOST"] = emulator
+    return env
+
+
+_DIALECTS = {"postgres": "postgresql", "postgresql": "postgresql", "mysql": "mysql", "sqlite": "sqlite"}
+
+
+def sql_source(conn_id: str) -> tuple[str, dict[str, str]]:
+    """(dialect, secret env) for an Airflow SQL connection; the URI with its password is a job secret."""
+    from urllib.parse import quote
+
+    from airflow_provider_rayllm.job.sql import SQL_URI_ENV
+
+    conn = BaseHook.get_connection(conn_id)
+    dialect = _DIALECTS.get((conn.conn_type or "").lower())
+    if dialect is None:
+        raise InvalidSpec(
+            f"sql_conn_id {conn_id!r} has connection type {conn.conn_type!r}; supported: {sorted(set(_DIALECTS))}"
+        )
+    if dialect == "sqlite":
+        if not conn.host:
+            raise InvalidSpec(f"sql_conn_id {conn_id!r}: a sqlite connection needs the database path as its host")
+        return dialect, {SQL_URI_ENV: f"sqlite:{conn.host}"}
+    auth = ""
+    if conn.login:
+        auth = quote(conn.login, safe="")
+        if conn.password:
+            auth += ":" + quote(conn.password, safe="")
+        auth += "@"
+    port = f":{conn.port}" if conn.port else ""
+    return dialect, {SQL_URI_ENV: f"{dialect}://{auth}{conn.host or '127.0.0.1'}{port}/{conn.schema or ''}"}

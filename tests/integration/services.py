@@ -1,0 +1,64 @@
+"""Local S3 and GCS endpoints speaking the real protocols, started and stopped by the tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from airflow_provider_rayllm.local.cluster import free_port
+
+
+def _wait_http(url: str, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except urllib.error.HTTPError:
+            return  # the server answers; the route does not matter
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.3)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+
+
+@contextmanager
+def _process(cmd: list[str], url: str, log: Path) -> Iterator[None]:
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        _wait_http(url)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextmanager
+def s3_server(log_dir: Path) -> Iterator[str]:
+    """moto's server mode: a real S3 HTTP endpoint on loopback."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with _process(cmd, url, log_dir / "moto.log"):
+        yield url
+
+
+@contextmanager
+def gcs_server(log_dir: Path) -> Iterator[str]:
+    """gcp-storage-emulator: the GCS JSON API on loopback, in memory."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    binary = Path(sys.executable).with_name("gcp-storage-emulator")
+    cmd = [str(binary), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"]
+    with _process(cmd, url, log_dir / "gcs-emulator.log"):
+        yield url

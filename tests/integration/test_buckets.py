@@ -1,0 +1,122 @@
+"""Bucket input and output over the real protocols: GCS in (the GCS emulator), S3 out (moto's server).
+
+One engine run reads Parquet from gs://, answers, and writes Parquet to s3://, with credentials from
+Airflow connections. The AWS secret is a canary: it must not show in the Jobs API record, the job's
+log, Ray's log files, or XCom.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.integration.helpers import load_dag, task_state, utc, xcom
+from tests.integration.services import gcs_server, s3_server
+
+pytestmark = pytest.mark.integration
+
+CANARY = "canary-aws-secret-5f1e9c"
+QUESTIONS = ["What is the capital of Italy?", "Name a fruit.", "What is 3 + 4?", "What color is grass?"]
+
+
+@pytest.fixture(scope="module")
+def endpoints(test_home):
+    log_dir = test_home / "service-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with s3_server(log_dir) as s3_url, gcs_server(log_dir) as gcs_url:
+        yield {"s3": s3_url, "gcs": gcs_url}
+
+
+@pytest.fixture(scope="module")
+def buckets(endpoints, monkeypatch_module):
+    import boto3
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    s3 = boto3.client(
+        "s3", endpoint_url=endpoints["s3"], aws_access_key_id="AKIATEST", aws_secret_access_key=CANARY, region_name="us-east-1"
+    )
+    s3.create_bucket(Bucket="answers")
+    monkeypatch_module.setenv("STORAGE_EMULATOR_HOST", endpoints["gcs"])
+    gcs = storage.Client(project="test", credentials=AnonymousCredentials())
+    bucket = gcs.create_bucket("questions")
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"id": list(range(len(QUESTIONS))), "prompt": QUESTIONS}), sink)
+    bucket.blob("batch/part-0.parquet").upload_from_string(sink.getvalue())
+    monkeypatch_module.setenv(
+        "AIRFLOW_CONN_S3_TEST",
+        json.dumps(
+            {
+                "conn_type": "aws",
+                "login": "AKIATEST",
+                "password": CANARY,
+                "extra": {"endpoint_url": endpoints["s3"], "region_name": "us-east-1"},
+            }
+        ),
+    )
+    monkeypatch_module.setenv(
+        "AIRFLOW_CONN_GCS_TEST",
+        json.dumps({"conn_type": "google_cloud_platform", "extra": {"storage_emulator_host": endpoints["gcs"], "project": "test"}}),
+    )
+    return {"s3": s3, "gcs": gcs}
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def bucket_run(ray_conn, airflow_db, smollm2, buckets):
+    dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_buckets")
+    date = utc(2026, 5, 1)
+    conf = {"model_source": str(smollm2), "input_uri": "gs://questions/batch/", "output_uri": "s3://answers/runs/may-1"}
+    dag_run = dag.test(logical_date=date, run_after=date, run_conf=conf)
+    return {"dag_run": dag_run, "conf": conf}
+
+
+def test_gcs_in_s3_out_with_connection_credentials(bucket_run, buckets):
+    dag_run = bucket_run["dag_run"]
+    assert task_state(dag_run, "generate") == "success"
+    manifest = xcom(dag_run.dag_id, dag_run.run_id, "generate", "return_value")
+    assert manifest["rows_in"] == manifest["rows_out"] == len(QUESTIONS)
+    assert all(f["uri"].startswith("s3://answers/runs/may-1/_generations/") for f in manifest["output_files"])
+    rows = []
+    for f in manifest["output_files"]:
+        key = f["uri"].removeprefix("s3://answers/")
+        body = buckets["s3"].get_object(Bucket="answers", Key=key)["Body"].read()
+        assert len(body) == f["bytes"]
+        rows.extend(pq.read_table(io.BytesIO(body)).to_pylist())
+    assert sorted(r["id"] for r in rows) == list(range(len(QUESTIONS)))
+    assert all(r["response"].strip() for r in rows)
+    published = json.loads(buckets["s3"].get_object(Bucket="answers", Key="runs/may-1/manifest.json")["Body"].read())
+    assert published["submission_id"] == manifest["submission_id"]
+
+
+def test_the_secret_shows_nowhere(bucket_run, ray_conn):
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    dag_run = bucket_run["dag_run"]
+    hook = RayJobHook()
+    sid = xcom(dag_run.dag_id, dag_run.run_id, "generate", "submission_id")
+    record = json.dumps(hook.get_job_info(sid))
+    assert "worker_process_setup_hook" in record  # the secrets travel through the job package
+    assert CANARY not in record
+    assert CANARY not in hook.get_job_logs(sid)
+    for key in ("return_value", "output_uri", "ray_job_url", "submission_id"):
+        assert CANARY not in json.dumps(xcom(dag_run.dag_id, dag_run.run_id, "generate", key))
+    log_root = Path(ray_conn["info"].temp_dir)
+    leaked = []
+    for path in log_root.rglob("*"):
+        if path.is_file() and "logs" in path.parts and path.stat().st_size < 50_000_000:
+            if CANARY.encode() in path.read_bytes():
+                leaked.append(str(path))
+    assert leaked == []
