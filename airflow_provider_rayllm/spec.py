@@ -148,6 +148,9 @@ class PromptSpec(_Strict):
     sampling_params: dict[str, Any] = Field(default_factory=dict, description="vLLM sampling params per request.")
     pooling_params: dict[str, Any] | None = Field(None, description="vLLM pooling params (embed/classify/score).")
     postprocess: CallableRef | None = Field(None, description="Callable output row -> dict, as in the guide.")
+    lora_column: str | None = Field(
+        None, description="Column naming the LoRA adapter for each row; empty means the base model."
+    )
     output_column: str = Field("response", description="Column that receives the generated text or embedding.")
     keep_columns: list[str] | None = Field(
         None, description="Input columns copied to the output; all input columns when omitted."
@@ -188,7 +191,7 @@ class PromptSpec(_Strict):
 
     def required_columns(self) -> list[str]:
         cols = set(self.template_columns())
-        for name in (self.prompt_column, self.messages_column):
+        for name in (self.prompt_column, self.messages_column, self.lora_column):
             if name:
                 cols.add(name)
         return sorted(cols)
@@ -216,6 +219,17 @@ class VLLMProcessorSpec(_Strict):
     prepare_multimodal_stage: bool | dict[str, Any] = Field(False, description="Multimodal stage (bool or config).")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra kwargs for apply_chat_template.")
     dynamic_lora_loading_path: str | None = Field(None, description="Folder or bucket of LoRA adapters.")
+    lora_adapters: list[str] | None = Field(
+        None, description="Adapter names rows may ask for (subfolders of dynamic_lora_loading_path)."
+    )
+
+    @field_validator("lora_adapters")
+    @classmethod
+    def _adapter_names(cls, value: list[str] | None) -> list[str] | None:
+        for name in value or []:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) or ".." in name:
+                raise ValueError(f"LoRA adapter name {name!r} must be a plain folder name (letters, digits, . _ -)")
+        return value
     log_engine_metrics: bool = Field(False, description="Export vLLM metrics through Ray's Prometheus endpoint.")
     resource_profile: Literal["auto", "cpu", "gpu"] = Field(
         "auto",
@@ -283,9 +297,23 @@ class VLLMProcessorSpec(_Strict):
         return float(pg["bundle_per_worker"].get("GPU", 0)) * tp * pp
 
 
+class TableSinkSpec(_Strict):
+    table: str = Field(description="Table that receives the output rows (created when missing).")
+    dialect: Literal["postgresql", "mysql", "sqlite"] = Field(description="Database kind, from the connection.")
+    run_key: str = Field(description="Identifies this run's rows; a rerun replaces rows with the same key.")
+
+    @field_validator("table")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?", value):
+            raise ValueError(f"output_table {value!r} must be a plain table name (schema.table allowed)")
+        return value
+
+
 class SinkSpec(_Strict):
     uri: str = Field(description="Output prefix (folder or bucket prefix) owned by this task instance.")
     format: SinkFormat = Field("parquet", description="parquet or jsonl.")
+    table: TableSinkSpec | None = Field(None, description="Also write the output rows to a warehouse table.")
 
     @field_validator("uri")
     @classmethod
@@ -336,6 +364,11 @@ class JobSpec(_Strict):
                 raise ValueError(
                     f"prompt.messages_column needs task_type 'generate', got {self.processor.task_type!r}"
                 )
+        if p.lora_column is not None:
+            if not self.processor.engine_kwargs.get("enable_lora"):
+                raise ValueError("prompt.lora_column needs engine_kwargs enable_lora=True")
+            if not self.processor.dynamic_lora_loading_path:
+                raise ValueError("prompt.lora_column needs dynamic_lora_loading_path (the folder or bucket of adapters)")
         reserved = {OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, ERROR_COLUMN}
         if p.output_column in reserved:
             raise ValueError(f"prompt.output_column {p.output_column!r} is reserved; pick another name")

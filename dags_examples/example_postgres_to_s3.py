@@ -28,6 +28,7 @@ with DAG(
             description="Table with id, body and created_on columns (a plain identifier)",
         ),
         "output_prefix": Param("s3://llm-outputs/tickets", type="string", description="Bucket prefix for answers"),
+        "max_tokens": Param(48, type="integer", minimum=1, maximum=1024, description="Tokens per summary"),
     },
     render_template_as_native_obj=True,
 ) as dag:
@@ -37,7 +38,7 @@ with DAG(
         sql_conn_id="postgres_default",
         model_source="{{ params.model_source }}",
         prompt_template="Summarize this support ticket in one sentence:\n{body}",
-        sampling_params={"temperature": 0, "max_tokens": 48},
+        sampling_params={"temperature": 0, "max_tokens": "{{ params.max_tokens }}"},
         engine_kwargs={"max_model_len": 1024},
         # One prefix per logical date: backfills never collide and a rerun replaces its own output.
         output_uri="{{ params.output_prefix }}/{{ ds }}",

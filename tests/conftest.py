@@ -78,3 +78,42 @@ def ray_conn(ray_cluster, test_home):
     output_base = test_home / "outputs"
     os.environ["AIRFLOW_CONN_RAY_DEFAULT"] = ray_cluster.airflow_conn_uri(output_base=str(output_base))
     return {"info": ray_cluster, "output_base": output_base}
+
+
+@pytest.fixture(scope="session")
+def service_logs(test_home) -> Path:
+    path = test_home / "service-logs"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(service_logs):
+    from tests.integration.services import s3_server
+
+    with s3_server(service_logs) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint(service_logs):
+    from tests.integration.services import gcs_server
+
+    with gcs_server(service_logs) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn() -> str:
+    """The PostgreSQL server on the machine. Missing: a skip for a user, a failure in CI."""
+    dsn = os.environ.get("RAYLLM_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
+    try:
+        import psycopg2
+
+        psycopg2.connect(dsn, connect_timeout=5).close()
+    except Exception as exc:
+        message = f"no PostgreSQL at {dsn}: {exc}"
+        if os.environ.get("CI"):
+            pytest.fail(message + " (CI requires it)")
+        pytest.skip(message)
+    return dsn

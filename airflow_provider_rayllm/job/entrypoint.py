@@ -17,7 +17,7 @@ from typing import Any
 
 from airflow_provider_rayllm.job import io, manifest, secrets, sql, vllm_pipeline
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.job.prompts import PRE_ERROR, STASH, RequestBuilder, load_callable
+from airflow_provider_rayllm.job.prompts import PRE_ERROR, STASH, LoraRouting, RequestBuilder, load_callable
 from airflow_provider_rayllm.spec import (
     ERROR_COLUMN,
     ERROR_LOG_PREFIX,
@@ -108,6 +108,9 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     placement = vllm_pipeline.placement_for(p, profile, engine_kwargs)
     vllm_pipeline.check_resources(p, profile, placement, gpus)
     vllm_pipeline.check_engine_kwargs(p.model_source, engine_kwargs)
+    vllm_pipeline.check_lora_adapters(p.dynamic_lora_loading_path, p.lora_adapters)
+    if p.task_type == "generate" and spec.prompt.preprocess is None:
+        vllm_pipeline.check_sampling_params(spec.prompt.sampling_params)
     _say("profile %s (cluster GPUs: %g); engine_kwargs %s; placement %s", profile, gpus, engine_kwargs, placement)
 
     if isinstance(spec.source, SqlSource):
@@ -138,7 +141,10 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         ds = ds.limit(spec.limits.max_rows)
 
     # 2. Rows -> requests (a row that cannot be prompted is an error row, not a crash).
-    builder = RequestBuilder(spec.prompt, p.task_type, keep, package_dir)
+    lora = None
+    if spec.prompt.lora_column and p.dynamic_lora_loading_path:
+        lora = LoraRouting(p.model_source, p.dynamic_lora_loading_path, p.lora_adapters)
+    builder = RequestBuilder(spec.prompt, p.task_type, keep, package_dir, lora)
     prepared = ds.map(builder, **LIGHT).materialize()
     rows_in = prepared.count()
     if rows_in == 0:
@@ -177,6 +183,13 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
             _say("error row: %s", row.get(ERROR_COLUMN))
 
     _check_error_fraction(rows_err, rows_in, spec.limits.max_error_fraction, f"error rows are in {errors_uri}")
+    table_rows = 0
+    if spec.sink.table is not None and outputs is not None and rows_out:
+        from airflow_provider_rayllm.job import table_sink
+
+        t = spec.sink.table
+        table_rows = table_sink.write(outputs, t.dialect, t.table, t.run_key)
+        _say("output table %s: %d rows for run key %s", t.table, table_rows, t.run_key)
 
     # 5. Publish: the manifest goes last, then older generations are removed.
     import vllm
@@ -198,6 +211,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         profile=profile,
         engine_kwargs=engine_kwargs,
         versions={"ray": ray.__version__, "vllm": getattr(vllm, "__version__", "unknown")},
+        table_rows=table_rows,
     )
     manifest.publish(spec.sink.uri, body)
     manifest.remove_stale_generations(spec.sink.uri, submission_id)

@@ -39,7 +39,9 @@ def build(
     profile: str,
     engine_kwargs: dict[str, Any],
     versions: dict[str, str],
+    table_rows: int = 0,
 ) -> dict[str, Any]:
+    table = spec.sink.table
     return {
         "manifest_version": MANIFEST_VERSION,
         "status": "SUCCEEDED",
@@ -65,6 +67,9 @@ def build(
         "engine_kwargs": engine_kwargs,
         "versions": {**versions, "airflow_provider_rayllm": __version__},
         "run": spec.run.model_dump(),
+        "output_table": (
+            {"table": table.table, "run_key": table.run_key, "rows": table_rows} if table is not None else None
+        ),
     }
 
 

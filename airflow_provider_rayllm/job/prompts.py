@@ -57,13 +57,67 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+# Older names of the structured-output settings, still common in user code and docs.
+_GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def normalize_sampling_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Structured outputs in vLLM's current form, with a JSON schema as text.
+
+    A schema travels as a string so rows with different schemas can share one Arrow column.
+    """
+    params = dict(params)
+    structured = dict(params.pop("structured_outputs", None) or params.pop("guided_decoding", None) or {})
+    for old, new in _GUIDED_KEYS.items():
+        if old in params:
+            structured[new] = params.pop(old)
+    if isinstance(structured.get("json"), dict):
+        structured["json"] = json.dumps(structured["json"])
+    if structured:
+        params["structured_outputs"] = structured
+    return params
+
+
+class LoraRouting:
+    """Which model a row asks for: the base model, or a LoRA adapter by name.
+
+    Ray's engine stage reads the row's ``model``: the base model's source means no adapter; an adapter
+    under a bucket is named and downloaded by Ray; a local adapter is given by its folder.
+    """
+
+    def __init__(self, model_source: str, adapters_path: str, allowed: list[str] | None):
+        self.model_source = model_source
+        self.adapters_path = adapters_path.rstrip("/")
+        self.local = "://" not in adapters_path
+        self.allowed = set(allowed) if allowed is not None else None
+
+    def model_for(self, name: Any) -> str:
+        if _is_empty(name) or name == "":
+            return self.model_source
+        if not isinstance(name, str):
+            raise ValueError(f"LoRA adapter column holds {type(name).__name__}, not a name")
+        if self.allowed is not None and name not in self.allowed:
+            raise ValueError(f"LoRA adapter {name!r} is not one of lora_adapters {sorted(self.allowed)!r}")
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"LoRA adapter name {name!r} must be a plain folder name")
+        return os.path.join(self.adapters_path, name) if self.local else name
+
+
 class RequestBuilder:
     """Row -> {stash, request JSON, error}. A row that cannot be turned into a request becomes an error row."""
 
-    def __init__(self, prompt: PromptSpec, task_type: str, keep: list[str], package_dir: str):
+    def __init__(
+        self,
+        prompt: PromptSpec,
+        task_type: str,
+        keep: list[str],
+        package_dir: str,
+        lora: LoraRouting | None = None,
+    ):
         self.prompt = prompt
         self.task_type = task_type
         self.keep = keep
+        self.lora = lora
         self.preprocess = load_callable(prompt.preprocess, package_dir) if prompt.preprocess else None
 
     def _text(self, row: dict[str, Any]) -> str:
@@ -87,6 +141,8 @@ class RequestBuilder:
             request = self.preprocess(dict(row))
             if not isinstance(request, dict):
                 raise ValueError(f"preprocess returned {type(request).__name__}, not a dict")
+            if isinstance(request.get("sampling_params"), dict):
+                request["sampling_params"] = normalize_sampling_params(request["sampling_params"])
             return request
         request: dict[str, Any] = {}
         if self.task_type == "generate":
@@ -100,7 +156,7 @@ class RequestBuilder:
                     messages.append({"role": "system", "content": p.system_prompt})
                 messages.append({"role": "user", "content": self._text(row)})
             request["messages"] = messages
-            request["sampling_params"] = dict(p.sampling_params)
+            request["sampling_params"] = normalize_sampling_params(p.sampling_params)
         else:
             request["prompt"] = self._text(row)
             if p.pooling_params:
@@ -110,7 +166,10 @@ class RequestBuilder:
     def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
         stash = {name: row.get(name) for name in self.keep}
         try:
-            request = json.dumps(_jsonable(self.request(row)))
+            body = self.request(row)
+            if self.lora is not None:
+                body["model"] = self.lora.model_for(row.get(self.prompt.lora_column or ""))
+            request = json.dumps(_jsonable(body))
             error = ""
         except Exception as exc:  # one bad row must not stop the job
             request, error = "{}", f"prompt: {type(exc).__name__}: {exc}"

@@ -15,12 +15,13 @@ from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.spec import SqlSource
 
 SQL_URI_ENV = "RAYLLM_SQL_URI"
+SINK_SQL_URI_ENV = "RAYLLM_SINK_SQL_URI"
 
 
-def connect(dialect: str) -> Any:
-    uri = os.environ.get(SQL_URI_ENV)
+def connect(dialect: str, env_name: str = SQL_URI_ENV) -> Any:
+    uri = os.environ.get(env_name)
     if not uri:
-        raise JobError(f"no database URI reached the job (environment variable {SQL_URI_ENV} is unset)")
+        raise JobError(f"no database URI reached the job (environment variable {env_name} is unset)")
     if dialect == "postgresql":
         import psycopg2
 

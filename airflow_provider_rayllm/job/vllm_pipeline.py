@@ -19,7 +19,6 @@ CPU_ENGINE_DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": 0.2,
     "enforce_eager": True,
     "max_model_len": 2048,
-    "dtype": "bfloat16",
 }
 GPU_ENGINE_DEFAULTS: dict[str, Any] = {
     "enable_prefix_caching": True,
@@ -87,6 +86,38 @@ def check_engine_kwargs(model_source: str, engine_kwargs: dict[str, Any]) -> Non
             )
 
 
+def check_sampling_params(sampling_params: dict[str, Any]) -> None:
+    """vLLM's own SamplingParams judges the settings once, instead of failing every row in the engine."""
+    from vllm.exceptions import VLLMError
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    from airflow_provider_rayllm.job.prompts import normalize_sampling_params
+
+    params = normalize_sampling_params(sampling_params)
+    structured = params.pop("structured_outputs", None)
+    try:
+        if structured:
+            StructuredOutputsParams(**structured)
+        SamplingParams(**params)
+    except (TypeError, ValueError, VLLMError) as exc:
+        raise JobError(f"sampling_params {sampling_params!r}: {exc}") from None
+
+
+def check_lora_adapters(path: str | None, names: list[str] | None) -> None:
+    """Every adapter the rows may name exists before any engine starts."""
+    if not path or not names:
+        return
+    from airflow_provider_rayllm.job import io
+
+    for name in names:
+        config = io.join(path, name, "adapter_config.json")
+        fs, inner = io.filesystem_for(config)
+        import pyarrow.fs as pafs
+
+        if fs.get_file_info(inner).type == pafs.FileType.NotFound:
+            raise JobError(f"lora_adapters: {name!r} has no adapter_config.json under {path!r}")
+
+
 def check_model_source(model_source: str) -> None:
     scheme = uri_scheme(model_source)
     looks_local = model_source.startswith(("/", "./", "../", "~")) or scheme == "file"
@@ -149,7 +180,10 @@ def build(spec: VLLMProcessorSpec, profile: str, engine_kwargs: dict[str, Any], 
         tokenize_stage=_stage(spec.tokenize_stage, profile),
         detokenize_stage=_stage(spec.detokenize_stage if spec.task_type == "generate" else False, profile),
         prepare_multimodal_stage=_stage(spec.prepare_multimodal_stage, profile),
-        dynamic_lora_loading_path=spec.dynamic_lora_loading_path,
+        # Local adapters are addressed by their folder; Ray downloads bucket adapters by name.
+        dynamic_lora_loading_path=(
+            spec.dynamic_lora_loading_path if spec.dynamic_lora_loading_path and "://" in spec.dynamic_lora_loading_path else None
+        ),
         log_engine_metrics=spec.log_engine_metrics,
         should_continue_on_error=True,
     )

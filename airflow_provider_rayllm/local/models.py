@@ -76,6 +76,33 @@ def minilm_path() -> Path:
     return path
 
 
+LORA_ADAPTER = "smollm2-demo-adapter"
+
+
+def lora_adapters_dir(models_dir: Path = MODELS_DIR) -> Path:
+    """A folder of LoRA adapters for SmolLM2 (one: a small random adapter made with peft)."""
+    base = smollm2_path(models_dir)
+    root = models_dir / "lora"
+    target = root / LORA_ADAPTER
+    if (target / "adapter_config.json").exists():
+        return root
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    # Random (not zero) B matrices, so the adapter visibly changes what the model says.
+    config = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    peft_model.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return root
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Prepare the embedded models.")
     parser.add_argument("--print", choices=["smollm2", "minilm"], help="print one model's folder")

@@ -20,6 +20,7 @@ from airflow.sdk import BaseOperator, conf
 from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayLLMError
 from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, RayJobHook
 from airflow_provider_rayllm.job.secrets import SECRETS_FILE, SETUP_HOOK
+from airflow_provider_rayllm.job.sql import SINK_SQL_URI_ENV, SQL_URI_ENV
 from airflow_provider_rayllm.operators import credentials
 from airflow_provider_rayllm.links import RayJobLink
 from airflow_provider_rayllm.spec import ERROR_LOG_PREFIX, MANIFEST_LOG_PREFIX, JobSpec, RunSpec, SpecError
@@ -93,6 +94,9 @@ class RayLLMBatchBaseOperator(BaseOperator):
         ship_package: bool = True,
         aws_conn_id: str | None = None,
         gcp_conn_id: str | None = None,
+        output_table: str | None = None,
+        output_table_conn_id: str | None = None,
+        hf_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -107,6 +111,9 @@ class RayLLMBatchBaseOperator(BaseOperator):
         self.ship_package = ship_package
         self.aws_conn_id = aws_conn_id
         self.gcp_conn_id = gcp_conn_id
+        self.output_table = output_table
+        self.output_table_conn_id = output_table_conn_id
+        self.hf_conn_id = hf_conn_id
         self._submission_id: str | None = None
 
     @cached_property
@@ -115,7 +122,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
 
     # --- subclass contract ----------------------------------------------------------------------
     def spec_body(self, context: Context, output_uri: str, package_dir: Path) -> dict[str, Any]:
-        """The spec as a dict (without ``run``); may write files (pickled callables) into package_dir."""
+        """The spec as a dict (without ``run`` and ``sink``); may write files (pickled callables) into package_dir."""
         raise NotImplementedError
 
     # --- spec -----------------------------------------------------------------------------------
@@ -146,6 +153,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
         output_uri = self.resolve_output_uri(run)
         try:
             body = self.spec_body(context, output_uri, package_dir)
+            body["sink"] = self.sink_body(output_uri, run)
         except SpecError as exc:
             raise InvalidSpec(f"{self.task_id}: {exc}") from None
         body["run"] = run.model_dump()
@@ -182,7 +190,22 @@ class RayLLMBatchBaseOperator(BaseOperator):
             env.update(credentials.aws_env(self.aws_conn_id))
         if self.gcp_conn_id:
             env.update(credentials.gcp_env(self.gcp_conn_id))
+        if self.hf_conn_id:
+            env.update(credentials.hf_env(self.hf_conn_id))
+        if self.output_table and self.output_table_conn_id:
+            _, uri = credentials.sql_source(self.output_table_conn_id)
+            env[SINK_SQL_URI_ENV] = uri[SQL_URI_ENV]
         return env
+
+    def sink_body(self, output_uri: str, run: RunSpec) -> dict[str, Any]:
+        sink: dict[str, Any] = {"uri": output_uri, "format": self.output_format}
+        if self.output_table:
+            if not self.output_table_conn_id:
+                raise SpecError("output_table needs output_table_conn_id, the Airflow connection of the database")
+            dialect, _ = credentials.sql_source(self.output_table_conn_id)
+            run_key = f"{run.dag_id}/{run.run_id}/{run.task_id}/{run.map_index}"
+            sink["table"] = {"table": self.output_table, "dialect": dialect, "run_key": run_key}
+        return sink
 
     def _runtime_env(self, package_dir: Path) -> dict[str, Any]:
         env = dict(self.job_runtime_env or {})

@@ -63,6 +63,15 @@ def gcp_env(conn_id: str) -> dict[str, str]:
     return env
 
 
+def hf_env(conn_id: str) -> dict[str, str]:
+    """A Hugging Face token: the connection's password (any connection type)."""
+    conn = BaseHook.get_connection(conn_id)
+    token = conn.password or _extra(conn, "token", conn.conn_type or "")
+    if not token:
+        raise InvalidSpec(f"hf_conn_id {conn_id!r} holds no token (put it in the password field)")
+    return {"HF_TOKEN": token, "HUGGING_FACE_HUB_TOKEN": token}
+
+
 _DIALECTS = {"postgres": "postgresql", "postgresql": "postgresql", "mysql": "mysql", "sqlite": "sqlite"}
 
 

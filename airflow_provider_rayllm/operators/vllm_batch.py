@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -13,6 +14,31 @@ from airflow_provider_rayllm.spec import SpecError, map_guide_flags
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
+
+
+def _pickle_by_value(fn: Callable) -> bytes:
+    """Pickle the function with its module's code unless that module is an installed package.
+
+    A DAG file (or a test module) is not importable on the Ray cluster, so pickling a function
+    defined there by reference would fail in the job with ModuleNotFoundError.
+    """
+    import cloudpickle
+
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    path = getattr(module, "__file__", "") or ""
+    by_value = (
+        module is not None
+        and module.__name__ != "__main__"  # cloudpickle already pickles __main__ by value
+        and "site-packages" not in path
+        and "dist-packages" not in path
+    )
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(fn)
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
 
 
 def _callable_ref(fn: Callable | str | None, name: str, package_dir: Path) -> dict[str, Any] | None:
@@ -26,7 +52,7 @@ def _callable_ref(fn: Callable | str | None, name: str, package_dir: Path) -> di
     import cloudpickle
 
     file_name = f"{name}.pkl"
-    (package_dir / file_name).write_bytes(cloudpickle.dumps(fn))
+    (package_dir / file_name).write_bytes(_pickle_by_value(fn))
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError):
@@ -54,6 +80,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         "input_uri",
         "sql",
         "output_uri",
+        "output_table",
         "model_source",
         "prompt_column",
         "prompt_template",
@@ -91,6 +118,8 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         sampling_params: dict[str, Any] | None = None,
         pooling_params: dict[str, Any] | None = None,
         output_column: str = "response",
+        lora_column: str | None = None,
+        lora_adapters: list[str] | None = None,
         keep_columns: list[str] | None = None,
         task_type: str = "generate",
         engine_kwargs: dict[str, Any] | None = None,
@@ -135,6 +164,8 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         self.sampling_params = sampling_params or {}
         self.pooling_params = pooling_params
         self.output_column = output_column
+        self.lora_column = lora_column
+        self.lora_adapters = lora_adapters
         self.keep_columns = keep_columns
         # BaseOperator already has a `task_type` property (the class name).
         self.engine_task_type = task_type
@@ -201,6 +232,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
             "placement_group_config": self.placement_group_config,
             "chat_template_kwargs": self.chat_template_kwargs,
             "dynamic_lora_loading_path": self.dynamic_lora_loading_path,
+            "lora_adapters": self.lora_adapters,
             "log_engine_metrics": self.log_engine_metrics,
             "resource_profile": self.resource_profile,
             **stages,
@@ -218,9 +250,9 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
                 "sampling_params": self.sampling_params,
                 "pooling_params": self.pooling_params,
                 "output_column": self.output_column,
+                "lora_column": self.lora_column,
                 "keep_columns": self.keep_columns,
             },
             "processor": processor,
-            "sink": {"uri": output_uri, "format": self.output_format},
             "limits": {"max_error_fraction": self.max_error_fraction, "max_rows": self.max_rows},
         }

@@ -14,11 +14,12 @@ PARAMS = {
     "output_uri": Param("", type="string"),
     "prompt_column": Param("prompt", type="string"),
     "engine_kwargs": Param({"max_model_len": 256}, type="object"),
+    "sql": Param("", type="string"),
 }
 
 
-def _operator(deferrable: bool, **kwargs) -> VLLMBatchOperator:
-    return VLLMBatchOperator(
+def _operator(**overrides) -> VLLMBatchOperator:
+    settings = dict(
         task_id="generate",
         model_source="{{ params.model_source }}",
         input_uri="{{ params.input_uri }}",
@@ -29,10 +30,10 @@ def _operator(deferrable: bool, **kwargs) -> VLLMBatchOperator:
         engine_kwargs="{{ params.engine_kwargs }}",
         max_error_fraction=0.25,
         batch_size=8,
-        deferrable=deferrable,
         poll_interval=1.0,
-        **kwargs,
     )
+    settings.update(overrides)
+    return VLLMBatchOperator(**settings)
 
 
 _VARIANTS = {
@@ -40,6 +41,8 @@ _VARIANTS = {
     "rayllm_it_sync": {"deferrable": False},
     # Input from GCS, output to S3, credentials from Airflow connections.
     "rayllm_it_buckets": {"deferrable": True, "aws_conn_id": "s3_test", "gcp_conn_id": "gcs_test"},
+    # Input from a SQL query on the `sql_test` connection.
+    "rayllm_it_sql": {"deferrable": False, "input_uri": None, "sql": "{{ params.sql }}", "sql_conn_id": "sql_test"},
 }
 
 for _dag_id, _kwargs in _VARIANTS.items():

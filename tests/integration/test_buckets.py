@@ -17,7 +17,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.integration.helpers import load_dag, task_state, utc, xcom
-from tests.integration.services import gcs_server, s3_server
 
 pytestmark = pytest.mark.integration
 
@@ -26,11 +25,8 @@ QUESTIONS = ["What is the capital of Italy?", "Name a fruit.", "What is 3 + 4?",
 
 
 @pytest.fixture(scope="module")
-def endpoints(test_home):
-    log_dir = test_home / "service-logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with s3_server(log_dir) as s3_url, gcs_server(log_dir) as gcs_url:
-        yield {"s3": s3_url, "gcs": gcs_url}
+def endpoints(s3_endpoint, gcs_endpoint):
+    return {"s3": s3_endpoint, "gcs": gcs_endpoint}
 
 
 @pytest.fixture(scope="module")

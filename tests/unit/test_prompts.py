@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from airflow_provider_rayllm.job.prompts import PRE_ERROR, REQUEST, STASH, RequestBuilder
 from airflow_provider_rayllm.spec import PromptSpec
 
@@ -61,3 +63,56 @@ def test_import_path_preprocess_is_used():
 def test_preprocess_returning_non_dict_is_an_error_row():
     out = build({"preprocess": {"import_path": "tests.unit.helpers:bad_request"}})({"id": 1, "q": "x"})
     assert "returned list, not a dict" in out[PRE_ERROR]
+
+
+def test_structured_output_names_are_normalized():
+    from airflow_provider_rayllm.job.prompts import normalize_sampling_params
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert normalize_sampling_params({"max_tokens": 5, "guided_json": schema}) == {
+        "max_tokens": 5,
+        "structured_outputs": {"json": json.dumps(schema)},
+    }
+    assert normalize_sampling_params({"guided_decoding": {"choice": ["x", "y"]}}) == {
+        "structured_outputs": {"choice": ["x", "y"]}
+    }
+    assert normalize_sampling_params({"temperature": 0}) == {"temperature": 0}
+
+
+def test_bad_sampling_params_are_refused_before_the_engine():
+    from airflow_provider_rayllm.job.errors import JobError
+    from airflow_provider_rayllm.job.vllm_pipeline import check_sampling_params
+
+    check_sampling_params({"max_tokens": 4, "structured_outputs": {"regex": "[0-9]+"}})
+    with pytest.raises(JobError, match="max_tokenz"):
+        check_sampling_params({"max_tokenz": 4})
+    with pytest.raises(JobError, match="temperature must be non-negative"):
+        check_sampling_params({"temperature": -1})
+
+
+def test_lora_routing_by_row():
+    from airflow_provider_rayllm.job.prompts import LoraRouting
+
+    local = LoraRouting("/models/base", "/adapters/", ["pirate", "formal"])
+    assert local.model_for(None) == "/models/base"
+    assert local.model_for("") == "/models/base"
+    assert local.model_for("pirate") == "/adapters/pirate"
+    with pytest.raises(ValueError, match="not one of lora_adapters"):
+        local.model_for("casual")
+    bucket = LoraRouting("/models/base", "s3://b/adapters", None)
+    assert bucket.model_for("casual") == "casual"  # Ray downloads it from the bucket by name
+    with pytest.raises(ValueError, match="plain folder name"):
+        bucket.model_for("../etc")
+
+
+def test_unknown_adapter_is_an_error_row():
+    from airflow_provider_rayllm.job.prompts import LoraRouting
+
+    builder = RequestBuilder(
+        PromptSpec(prompt_column="q", lora_column="adapter"), "generate", ["q", "adapter"], "/x",
+        LoraRouting("/m", "/adapters", ["a1"]),
+    )
+    ok = json.loads(builder({"q": "hi", "adapter": "a1"})[REQUEST])
+    assert ok["model"] == "/adapters/a1"
+    assert json.loads(builder({"q": "hi", "adapter": None})[REQUEST])["model"] == "/m"
+    assert "not one of lora_adapters" in builder({"q": "hi", "adapter": "zz"})[PRE_ERROR]

@@ -151,3 +151,21 @@ def test_spec_version_is_checked():
 
 def test_job_spec_is_the_pydantic_model():
     assert isinstance(parse_spec(body()), JobSpec)
+
+
+def test_lora_settings_are_checked_together():
+    with pytest.raises(SpecError, match="enable_lora=True"):
+        parse_spec(body(prompt__lora_column="adapter"))
+    with pytest.raises(SpecError, match="needs dynamic_lora_loading_path"):
+        parse_spec(body(prompt__lora_column="adapter", processor__engine_kwargs={"enable_lora": True}))
+    with pytest.raises(SpecError, match="plain folder name"):
+        parse_spec(body(processor__lora_adapters=["../x"]))
+    spec = parse_spec(
+        body(
+            prompt__lora_column="adapter",
+            processor__engine_kwargs={"enable_lora": True},
+            processor__dynamic_lora_loading_path="/adapters",
+            processor__lora_adapters=["pirate"],
+        )
+    )
+    assert spec.prompt.required_columns() == ["adapter", "prompt"]

@@ -1,0 +1,79 @@
+"""Sections of the reference guide, each through its example DAG on the local stack."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from tests.integration.helpers import load_dag, read_rows, task_state, utc, xcom
+
+pytestmark = pytest.mark.integration
+
+
+def _run(name: str, task_id: str, conf: dict, day: int):
+    dag = load_dag("dags_examples", name, name)
+    dag_run = dag.test(logical_date=utc(2026, 8, day), run_after=utc(2026, 8, day), run_conf=conf)
+    assert task_state(dag_run, task_id) == "success"
+    return xcom(dag.dag_id, dag_run.run_id, task_id, "return_value")
+
+
+def test_embeddings_are_unit_vectors_that_rank_paraphrases_first(ray_conn, airflow_db):
+    manifest = _run("example_embeddings", "embed", {}, 1)
+    assert manifest["task_type"] == "embed"
+    assert manifest["rows_in"] == manifest["rows_out"] == 8
+    assert manifest["output_tokens"] == 0 and manifest["input_tokens"] > 0
+    rows = {r["id"]: np.asarray(r["embedding"], dtype=np.float64) for r in read_rows(manifest["output_files"])}
+    for vector in rows.values():
+        assert vector.shape == (384,)
+        assert abs(np.linalg.norm(vector) - 1.0) < 1e-3
+
+    def cos(a, b):
+        return float(rows[a] @ rows[b])
+
+    for first, second in ((0, 1), (2, 3), (4, 5)):
+        for unrelated in (6, 7):
+            assert cos(first, second) > cos(first, unrelated) + 0.1, (first, second, unrelated)
+
+
+def test_structured_outputs_parse_and_validate(ray_conn, airflow_db, smollm2):
+    import jsonschema
+
+    from tests.integration.helpers import load_dag
+
+    module_dag = load_dag("dags_examples", "example_structured_output", "example_structured_output")
+    schema = module_dag.get_task("extract").preprocess.__globals__["PERSON_SCHEMA"]
+    manifest = _run("example_structured_output", "extract", {"model_source": str(smollm2)}, 2)
+    assert manifest["rows_in"] == manifest["rows_out"] == 6 and manifest["rows_errored"] == 0
+    for row in read_rows(manifest["output_files"]):
+        answer = row["response"]
+        if row["task"] == "extract":
+            jsonschema.validate(json.loads(answer), schema)
+        elif row["task"] == "sentiment":
+            assert answer in ("positive", "negative")
+        else:
+            assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])", answer), answer
+
+
+def test_multi_lora_rows_routed_to_the_adapter_differ_from_base_rows(ray_conn, airflow_db, smollm2, test_home):
+    from airflow_provider_rayllm.local.models import LORA_ADAPTER, lora_adapters_dir
+    from tests.integration.helpers import write_jsonl
+
+    adapters = lora_adapters_dir()
+    # Ten good rows and one bad: under the default max_error_fraction of 0.1.
+    prompts = ["What is the capital of France?", "Name a primary color.", "What do bees make?", "Why is the sky blue?", "What is 2 + 2?"]
+    rows = [{"id": i, "prompt": p, "adapter": ""} for i, p in enumerate(prompts)]
+    rows += [{"id": 10 + i, "prompt": p, "adapter": LORA_ADAPTER} for i, p in enumerate(prompts)]
+    rows.append({"id": 99, "prompt": "hi", "adapter": "no-such-adapter"})
+    input_uri = write_jsonl(test_home / "inputs" / "lora.jsonl", rows)
+    conf = {"model_source": str(smollm2), "input_uri": input_uri, "adapters": str(adapters)}
+    manifest = _run("example_multi_lora", "generate", conf, 3)
+    assert manifest["rows_out"] == 10 and manifest["rows_errored"] == 1
+    out = {r["id"]: r["response"] for r in read_rows(manifest["output_files"])}
+    for i in range(5):
+        assert out[i].strip() and out[10 + i].strip()
+        assert out[i] != out[10 + i], "the adapter must change what the model says"
+    (error,) = read_rows(manifest["error_files"])
+    assert error["id"] == 99 and "not one of lora_adapters" in error["error"]

@@ -1,0 +1,82 @@
+"""Airflow connections -> the environment the Ray job's processes get (as job secrets)."""
+
+import json
+
+import pytest
+
+from airflow_provider_rayllm.exceptions import InvalidSpec
+from airflow_provider_rayllm.job.secrets import GCP_KEYFILE_JSON, load_into_env, scrub
+from airflow_provider_rayllm.operators import credentials
+
+
+def conn(monkeypatch, name, **fields):
+    monkeypatch.setenv(f"AIRFLOW_CONN_{name.upper()}", json.dumps(fields))
+
+
+def test_aws_connection(monkeypatch):
+    conn(monkeypatch, "a", conn_type="aws", login="AKIA1", password="s3cret",
+         extra={"region_name": "eu-west-1", "endpoint_url": "http://127.0.0.1:9000"})
+    assert credentials.aws_env("a") == {
+        "AWS_ACCESS_KEY_ID": "AKIA1",
+        "AWS_SECRET_ACCESS_KEY": "s3cret",
+        "AWS_REGION": "eu-west-1",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+    }
+
+
+def test_aws_half_credentials_are_refused(monkeypatch):
+    conn(monkeypatch, "a", conn_type="aws", login="AKIA1")
+    with pytest.raises(InvalidSpec, match="give both"):
+        credentials.aws_env("a")
+
+
+def test_gcp_keyfile_travels_as_text(monkeypatch):
+    key = {"type": "service_account", "private_key": "-----KEY-----"}
+    conn(monkeypatch, "g", conn_type="google_cloud_platform", extra={"keyfile_dict": json.dumps(key), "project": "p1"})
+    env = credentials.gcp_env("g")
+    assert json.loads(env[GCP_KEYFILE_JSON]) == key and env["GOOGLE_CLOUD_PROJECT"] == "p1"
+
+
+@pytest.mark.parametrize(
+    "fields, dialect, uri",
+    [
+        ({"conn_type": "postgres", "host": "db", "port": 5432, "login": "u", "password": "p@ss/w", "schema": "wh"},
+         "postgresql", "postgresql://u:p%40ss%2Fw@db:5432/wh"),
+        ({"conn_type": "mysql", "host": "m", "login": "root", "schema": "test"}, "mysql", "mysql://root@m/test"),
+        ({"conn_type": "sqlite", "host": "/data/w.db"}, "sqlite", "sqlite:/data/w.db"),
+    ],
+)
+def test_sql_connections(monkeypatch, fields, dialect, uri):
+    conn(monkeypatch, "s", **fields)
+    assert credentials.sql_source("s") == (dialect, {"RAYLLM_SQL_URI": uri})
+
+
+def test_unsupported_sql_connection(monkeypatch):
+    conn(monkeypatch, "s", conn_type="http", host="x")
+    with pytest.raises(InvalidSpec, match="connection type 'http'"):
+        credentials.sql_source("s")
+
+
+def test_hf_token(monkeypatch):
+    conn(monkeypatch, "hf", conn_type="generic", password="hf_abc")
+    assert credentials.hf_env("hf")["HF_TOKEN"] == "hf_abc"
+    conn(monkeypatch, "hf2", conn_type="generic")
+    with pytest.raises(InvalidSpec, match="holds no token"):
+        credentials.hf_env("hf2")
+
+
+def test_secrets_file_loads_into_env_and_keyfile_becomes_private_file(tmp_path, monkeypatch):
+    (tmp_path / "secrets.json").write_text(json.dumps({"AWS_SECRET_ACCESS_KEY": "zzz9", GCP_KEYFILE_JSON: '{"k": 1}'}))
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    names = load_into_env(str(tmp_path))
+    import os
+    import stat
+
+    assert names == ["AWS_SECRET_ACCESS_KEY", "GOOGLE_APPLICATION_CREDENTIALS"]
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] == "zzz9"
+    key_file = os.environ["GOOGLE_APPLICATION_CREDENTIALS"]
+    assert json.loads(open(key_file).read()) == {"k": 1}
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    assert scrub("failed with key zzz9", ["zzz9"]) == "failed with key ***"
