@@ -13,7 +13,13 @@ def get_provider_info() -> dict:
             {"integration-name": "Ray", "external-doc-url": "https://docs.ray.io/", "tags": ["compute"]},
         ],
         "operators": [
-            {"integration-name": "Ray", "python-modules": ["airflow_provider_rayllm.operators.vllm_batch"]},
+            {
+                "integration-name": "Ray",
+                "python-modules": [
+                    "airflow_provider_rayllm.operators.vllm_batch",
+                    "airflow_provider_rayllm.operators.http_batch",
+                ],
+            },
         ],
         "hooks": [{"integration-name": "Ray", "python-modules": ["airflow_provider_rayllm.hooks.ray_job"]}],
         "triggers": [{"integration-name": "Ray", "python-modules": ["airflow_provider_rayllm.triggers.ray_job"]}],

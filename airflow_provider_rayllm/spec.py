@@ -310,6 +310,42 @@ class TableSinkSpec(_Strict):
         return value
 
 
+HttpEndpoint = Literal["chat/completions", "completions", "embeddings"]
+
+
+class HttpProcessorSpec(_Strict):
+    """Calls to an OpenAI-compatible endpoint. The base URL comes from the Airflow connection only."""
+
+    base_url: str = Field(description="Endpoint base, e.g. 'http://127.0.0.1:8000/v1' (from the connection).")
+    endpoint: HttpEndpoint = Field("chat/completions", description="chat/completions, completions or embeddings.")
+    model: str = Field(min_length=1, description="Model name the endpoint serves.")
+    concurrency: int = Field(1, ge=1, description="Ray actors sending requests.")
+    batch_size: int = Field(256, ge=1, description="Rows handed to an actor at a time.")
+    max_in_flight: int = Field(64, ge=1, le=4096, description="Requests in flight per actor.")
+    qps: float | None = Field(None, gt=0, description="Requests per second for the whole job, shared across actors.")
+    max_retries: int = Field(6, ge=0, le=100, description="Retries per row on 408/429/5xx and connection errors.")
+    max_total_wait_s: float = Field(300.0, gt=0, description="Give a row up after this long, retries included.")
+    timeout_s: float = Field(120.0, gt=0, description="Timeout of one request.")
+    backoff_base_s: float = Field(0.5, gt=0, description="First backoff ceiling (doubles per retry, full jitter).")
+    backoff_max_s: float = Field(30.0, gt=0, description="Longest wait between two attempts.")
+    price_per_1k_input_tokens: float | None = Field(None, ge=0, description="For the manifest's cost estimate.")
+    price_per_1k_output_tokens: float | None = Field(None, ge=0, description="For the manifest's cost estimate.")
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"base_url must be an http(s) URL, got {value!r}")
+        return value.rstrip("/")
+
+    @property
+    def url(self) -> str:
+        return f"{self.base_url}/{self.endpoint}"
+
+    def qps_per_actor(self) -> float | None:
+        return self.qps / self.concurrency if self.qps else None
+
+
 class SinkSpec(_Strict):
     uri: str = Field(description="Output prefix (folder or bucket prefix) owned by this task instance.")
     format: SinkFormat = Field("parquet", description="parquet or jsonl.")
@@ -340,10 +376,11 @@ class RunSpec(_Strict):
 
 class JobSpec(_Strict):
     version: Literal[1] = Field(SPEC_VERSION, description="Spec version; the job refuses other versions.")
-    kind: Literal["vllm"] = Field("vllm", description="Which pipeline the job runs.")
+    kind: Literal["vllm", "http"] = Field("vllm", description="Which pipeline the job runs.")
     source: Source
     prompt: PromptSpec
-    processor: VLLMProcessorSpec
+    processor: VLLMProcessorSpec | None = Field(None, description="vLLM engine settings (kind 'vllm').")
+    http: HttpProcessorSpec | None = Field(None, description="Endpoint settings (kind 'http').")
     sink: SinkSpec
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
     run: RunSpec = Field(default_factory=RunSpec)
@@ -359,12 +396,13 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
         p = self.prompt
-        if self.processor.task_type != "generate":
-            if p.messages_column is not None:
-                raise ValueError(
-                    f"prompt.messages_column needs task_type 'generate', got {self.processor.task_type!r}"
-                )
-        if p.lora_column is not None:
+        if (self.kind == "vllm") != (self.processor is not None) or (self.kind == "http") != (self.http is not None):
+            raise ValueError(f"a {self.kind!r} job needs exactly its own settings section ('processor' or 'http')")
+        if self.task_type != "generate" and p.messages_column is not None:
+            raise ValueError(f"prompt.messages_column needs task_type 'generate', got {self.task_type!r}")
+        if p.lora_column is not None and self.processor is None:
+            raise ValueError("prompt.lora_column is for vLLM jobs")
+        if p.lora_column is not None and self.processor is not None:
             if not self.processor.engine_kwargs.get("enable_lora"):
                 raise ValueError("prompt.lora_column needs engine_kwargs enable_lora=True")
             if not self.processor.dynamic_lora_loading_path:
@@ -374,6 +412,16 @@ class JobSpec(_Strict):
             raise ValueError(f"prompt.output_column {p.output_column!r} is reserved; pick another name")
         p.template_columns()  # raises a SpecError on a broken template
         return self
+
+    @property
+    def task_type(self) -> str:
+        if self.processor is not None:
+            return self.processor.task_type
+        return "embed" if self.http is not None and self.http.endpoint == "embeddings" else "generate"
+
+    @property
+    def model_name(self) -> str:
+        return self.processor.model_source if self.processor is not None else self.http.model  # type: ignore[union-attr]
 
     def content_hash(self) -> str:
         """Hash of what the job computes; the run section is excluded."""

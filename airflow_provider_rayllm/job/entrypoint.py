@@ -17,7 +17,14 @@ from typing import Any
 
 from airflow_provider_rayllm.job import io, manifest, secrets, sql, vllm_pipeline
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.job.prompts import PRE_ERROR, STASH, LoraRouting, RequestBuilder, load_callable
+from airflow_provider_rayllm.job.prompts import (
+    PRE_ERROR,
+    STASH,
+    LoraRouting,
+    RequestBuilder,
+    error_row,
+    load_callable,
+)
 from airflow_provider_rayllm.spec import (
     ERROR_COLUMN,
     ERROR_LOG_PREFIX,
@@ -47,7 +54,7 @@ class Shaper:
 
     def __init__(self, spec: JobSpec, package_dir: str):
         self.output_column = spec.prompt.output_column
-        self.generate = spec.processor.task_type == "generate"
+        self.generate = spec.task_type == "generate"
         self.postprocess = load_callable(spec.prompt.postprocess, package_dir) if spec.prompt.postprocess else None
 
     def output(self, row: dict[str, Any]) -> dict[str, Any]:
@@ -72,9 +79,6 @@ class Shaper:
             return {**result, **{k: v for k, v in tokens.items() if k not in result}}
         return {**stash, self.output_column: value, **tokens}
 
-    @staticmethod
-    def error(row: dict[str, Any], message_column: str) -> dict[str, Any]:
-        return {**dict(row[STASH] or {}), ERROR_COLUMN: str(row[message_column])}
 
 
 def _check_error_fraction(errors: int, rows: int, limit: float, where: str) -> None:
@@ -92,26 +96,102 @@ def _input_columns(ds: Any) -> list[str]:
     return list(schema.names)
 
 
+class VLLMPipeline:
+    """ray.data.llm's vLLM processor, after the checks that need no engine."""
+
+    def __init__(self, spec: JobSpec, package_dir: str):
+        assert spec.processor is not None
+        self.spec, self.p, self.package_dir = spec, spec.processor, package_dir
+
+    def check(self) -> None:
+        p = self.p
+        vllm_pipeline.check_model_source(p.model_source)
+        gpus = vllm_pipeline.cluster_gpus()
+        self.profile = vllm_pipeline.resolve_profile(p, gpus)
+        self.engine_kwargs = vllm_pipeline.engine_kwargs_for(p, self.profile)
+        self.placement = vllm_pipeline.placement_for(p, self.profile, self.engine_kwargs)
+        vllm_pipeline.check_resources(p, self.profile, self.placement, gpus)
+        vllm_pipeline.check_engine_kwargs(p.model_source, self.engine_kwargs)
+        vllm_pipeline.check_lora_adapters(p.dynamic_lora_loading_path, p.lora_adapters)
+        if p.task_type == "generate" and self.spec.prompt.preprocess is None:
+            vllm_pipeline.check_sampling_params(self.spec.prompt.sampling_params)
+        _say("profile %s (cluster GPUs: %g); engine_kwargs %s; placement %s", self.profile, gpus, self.engine_kwargs, self.placement)
+
+    def lora(self) -> LoraRouting | None:
+        p = self.p
+        if self.spec.prompt.lora_column and p.dynamic_lora_loading_path:
+            return LoraRouting(p.model_source, p.dynamic_lora_loading_path, p.lora_adapters)
+        return None
+
+    def infer(self, good: Any) -> tuple[Any, Any]:
+        processor = vllm_pipeline.build(self.p, self.profile, self.engine_kwargs, self.placement)
+        raw = processor(good).materialize()
+        shaper = Shaper(self.spec, self.package_dir)
+        outputs = raw.filter(lambda r: not r.get(ENGINE_ERROR), **LIGHT).map(shaper.output, **LIGHT).materialize()
+        errors = raw.filter(lambda r: bool(r.get(ENGINE_ERROR)), **LIGHT).map(lambda r: error_row(r, ENGINE_ERROR), **LIGHT)
+        return outputs, errors
+
+    def details(self, input_tokens: int, output_tokens: int) -> dict[str, Any]:
+        return {"resource_profile": self.profile, "engine_kwargs": self.engine_kwargs}
+
+    def versions(self) -> dict[str, str]:
+        import vllm
+
+        return {"vllm": getattr(vllm, "__version__", "unknown")}
+
+
+class HttpPipeline:
+    """Requests to an OpenAI-compatible endpoint from a pool of Ray actors."""
+
+    def __init__(self, spec: JobSpec, package_dir: str):
+        assert spec.http is not None
+        self.spec, self.http = spec, spec.http
+
+    def check(self) -> None:
+        from airflow_provider_rayllm.job import http_pipeline
+
+        http_pipeline.check(self.http)
+        _say(
+            "endpoint %s, model %s; %d actor(s) x %d in flight; qps cap %s",
+            self.http.url, self.http.model, self.http.concurrency, self.http.max_in_flight, self.http.qps,
+        )
+
+    def lora(self) -> None:
+        return None
+
+    def infer(self, good: Any) -> tuple[Any, Any]:
+        from airflow_provider_rayllm.job import http_pipeline
+
+        return http_pipeline.infer(good, self.http, self.spec.prompt.output_column, LIGHT)
+
+    def details(self, input_tokens: int, output_tokens: int) -> dict[str, Any]:
+        from airflow_provider_rayllm.job import http_pipeline
+
+        return {
+            "endpoint": self.http.url,
+            "estimated_cost": http_pipeline.cost(self.http, input_tokens, output_tokens),
+        }
+
+    def versions(self) -> dict[str, str]:
+        import aiohttp
+
+        return {"aiohttp": aiohttp.__version__}
+
+
+def open_pipeline(spec: JobSpec, package_dir: str) -> VLLMPipeline | HttpPipeline:
+    return VLLMPipeline(spec, package_dir) if spec.kind == "vllm" else HttpPipeline(spec, package_dir)
+
+
 def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     import ray
 
     ray.init(log_to_driver=True)
     started = time.time()
     started_at = datetime.now(timezone.utc).isoformat()
-    p = spec.processor
+    pipeline = open_pipeline(spec, package_dir)
 
-    # 1. Checks that need no engine.
-    vllm_pipeline.check_model_source(p.model_source)
-    gpus = vllm_pipeline.cluster_gpus()
-    profile = vllm_pipeline.resolve_profile(p, gpus)
-    engine_kwargs = vllm_pipeline.engine_kwargs_for(p, profile)
-    placement = vllm_pipeline.placement_for(p, profile, engine_kwargs)
-    vllm_pipeline.check_resources(p, profile, placement, gpus)
-    vllm_pipeline.check_engine_kwargs(p.model_source, engine_kwargs)
-    vllm_pipeline.check_lora_adapters(p.dynamic_lora_loading_path, p.lora_adapters)
-    if p.task_type == "generate" and spec.prompt.preprocess is None:
-        vllm_pipeline.check_sampling_params(spec.prompt.sampling_params)
-    _say("profile %s (cluster GPUs: %g); engine_kwargs %s; placement %s", profile, gpus, engine_kwargs, placement)
+    # 1. Checks that need no engine or endpoint.
+    pipeline.check()
 
     if isinstance(spec.source, SqlSource):
         columns = sql.probe_columns(spec.source)
@@ -141,10 +221,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         ds = ds.limit(spec.limits.max_rows)
 
     # 2. Rows -> requests (a row that cannot be prompted is an error row, not a crash).
-    lora = None
-    if spec.prompt.lora_column and p.dynamic_lora_loading_path:
-        lora = LoraRouting(p.model_source, p.dynamic_lora_loading_path, p.lora_adapters)
-    builder = RequestBuilder(spec.prompt, p.task_type, keep, package_dir, lora)
+    builder = RequestBuilder(spec.prompt, spec.task_type, keep, package_dir, pipeline.lora())
     prepared = ds.map(builder, **LIGHT).materialize()
     rows_in = prepared.count()
     if rows_in == 0:
@@ -154,17 +231,13 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     unpromptable = bad_prompts.count()
     _say("rows in: %d (%d cannot be prompted)", rows_in, unpromptable)
     _check_error_fraction(unpromptable, rows_in, spec.limits.max_error_fraction, "before the engine started")
-    errors = bad_prompts.map(lambda r: Shaper.error(r, PRE_ERROR), **LIGHT)
+    errors = bad_prompts.map(lambda r: error_row(r, PRE_ERROR), **LIGHT)
     outputs = None
 
-    # 3. The engine; per-row failures come back with Ray's error column set.
+    # 3. The engine or endpoint; per-row failures come back as error rows.
     if rows_in > unpromptable:
-        processor = vllm_pipeline.build(p, profile, engine_kwargs, placement)
-        raw = processor(good).materialize()
-        shaper = Shaper(spec, package_dir)
-        outputs = raw.filter(lambda r: not r.get(ENGINE_ERROR), **LIGHT).map(shaper.output, **LIGHT).materialize()
-        engine_errors = raw.filter(lambda r: bool(r.get(ENGINE_ERROR)), **LIGHT)
-        errors = engine_errors.map(lambda r: Shaper.error(r, ENGINE_ERROR), **LIGHT).union(errors)
+        outputs, call_errors = pipeline.infer(good)
+        errors = call_errors.union(errors)
     errors = errors.materialize()
     rows_out, rows_err = (outputs.count() if outputs is not None else 0), errors.count()
     input_tokens = int(outputs.sum(OUTPUT_TOKENS_IN) or 0) if rows_out else 0
@@ -192,8 +265,6 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         _say("output table %s: %d rows for run key %s", t.table, table_rows, t.run_key)
 
     # 5. Publish: the manifest goes last, then older generations are removed.
-    import vllm
-
     body = manifest.build(
         spec=spec,
         submission_id=submission_id,
@@ -208,9 +279,8 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         output_tokens=output_tokens,
         started_at=started_at,
         wall_time_s=time.time() - started,
-        profile=profile,
-        engine_kwargs=engine_kwargs,
-        versions={"ray": ray.__version__, "vllm": getattr(vllm, "__version__", "unknown")},
+        details=pipeline.details(input_tokens, output_tokens),
+        versions={"ray": ray.__version__, **pipeline.versions()},
         table_rows=table_rows,
     )
     manifest.publish(spec.sink.uri, body)
@@ -246,7 +316,7 @@ def main(argv: list[str]) -> int:
     try:
         with open(spec_path, encoding="utf-8") as handle:
             spec = parse_spec(handle.read())
-        _say("submission %s: %s -> %s", submission_id, spec.processor.model_source, spec.sink.uri)
+        _say("submission %s: %s -> %s", submission_id, spec.model_name, spec.sink.uri)
         body = run(spec, submission_id, package_dir)
     except (JobError, SpecError) as exc:
         print(f"{ERROR_LOG_PREFIX}{secrets.scrub(str(exc), secrets.secret_values())}", flush=True)

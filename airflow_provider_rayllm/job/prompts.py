@@ -9,7 +9,7 @@ import os
 from typing import Any, Callable
 
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.spec import CallableRef, PromptSpec
+from airflow_provider_rayllm.spec import ERROR_COLUMN, CallableRef, PromptSpec
 
 # Columns the job carries through Ray's stages; input columns are stashed so the engine's own
 # output columns (``prompt``, ``messages``...) cannot overwrite them.
@@ -174,6 +174,11 @@ class RequestBuilder:
         except Exception as exc:  # one bad row must not stop the job
             request, error = "{}", f"prompt: {type(exc).__name__}: {exc}"
         return {STASH: stash, REQUEST: request, PRE_ERROR: error}
+
+
+def error_row(row: dict[str, Any], message_column: str) -> dict[str, Any]:
+    """The input columns of a failed row and why it failed (one schema for every error row)."""
+    return {**dict(row[STASH] or {}), ERROR_COLUMN: str(row[message_column])}
 
 
 def engine_request(row: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from datetime import datetime
 
 from airflow.sdk import DAG, Param
 
+from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
 from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
 
 PARAMS = {
@@ -55,3 +56,33 @@ for _dag_id, _kwargs in _VARIANTS.items():
     ) as _dag:
         _operator(**_kwargs)
     globals()[_dag_id] = _dag
+
+
+# The HTTP operator against whatever the `llm_test` connection points at.
+with DAG(
+    dag_id="rayllm_it_http",
+    start_date=datetime(2026, 1, 1),
+    schedule=None,
+    params={**PARAMS, "model": Param("smollm2", type="string"), "qps": Param(None, type=["null", "number"]),
+            "max_in_flight": Param(16, type="integer"), "concurrency": Param(1, type="integer")},
+    render_template_as_native_obj=True,
+) as rayllm_it_http:
+    HttpLLMBatchOperator(
+        task_id="call",
+        http_conn_id="llm_test",
+        model="{{ params.model }}",
+        input_uri="{{ params.input_uri }}",
+        output_uri="{{ params.output_uri or None }}",
+        prompt_column="prompt",
+        sampling_params={"temperature": 0, "max_tokens": 16},
+        max_in_flight="{{ params.max_in_flight }}",
+        qps="{{ params.qps }}",
+        concurrency=2,
+        batch_size=32,
+        max_retries=30,
+        max_total_wait_s=120,
+        price_per_1k_input_tokens=0.5,
+        price_per_1k_output_tokens=1.5,
+        max_error_fraction=0.1,
+        poll_interval=1.0,
+    )

@@ -62,3 +62,44 @@ def gcs_server(log_dir: Path) -> Iterator[str]:
     cmd = [str(binary), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"]
     with _process(cmd, url, log_dir / "gcs-emulator.log"):
         yield url
+
+
+@contextmanager
+def vllm_openai_server(model_dir: Path, name: str, log_dir: Path) -> Iterator[str]:
+    """vLLM's own OpenAI-compatible server on the CPU engine; about 40 s to answer."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", name,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", "1024", "--enforce-eager", "--gpu-memory-utilization", "0.15",
+    ]
+    with open(log_dir / "vllm-server.log", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited ({proc.returncode}); see {log_dir / 'vllm-server.log'}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                    break
+            except (urllib.error.URLError, OSError):
+                time.sleep(1)
+        else:
+            raise RuntimeError("the vLLM server did not answer within 300 s")
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextmanager
+def storm_server(storm_seconds: float, log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    script = Path(__file__).with_name("storm_server.py")
+    with _process([sys.executable, str(script), str(port), str(storm_seconds)], f"http://127.0.0.1:{port}/stats", log_dir / "storm.log"):
+        yield f"http://127.0.0.1:{port}"

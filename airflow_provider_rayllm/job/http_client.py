@@ -1,0 +1,178 @@
+"""Polite, fast calls to an OpenAI-compatible endpoint from inside a Ray actor.
+
+Many requests in flight per actor (aiohttp's pooled connections), a requests-per-second cap,
+retries on 408/429/5xx and connection errors that honour Retry-After with jittered exponential
+backoff (tenacity), and a cap on the total time a row may spend waiting. A row that still fails is
+returned as an error with its status code and reason; the API key never appears in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+
+class RetryableStatus(Exception):
+    def __init__(self, status: int, reason: str, retry_after: float | None):
+        super().__init__(f"HTTP {status}: {reason}")
+        self.status, self.reason, self.retry_after = status, reason, retry_after
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a Retry-After header: delta-seconds or an HTTP date."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    return max(0.0, when - (now if now is not None else time.time()))
+
+
+class RateLimiter:
+    """At most ``qps`` request starts per second (evenly spaced); None means no cap."""
+
+    def __init__(self, qps: float | None):
+        self.interval = 1.0 / qps if qps else 0.0
+        self.next_start = 0.0
+        self.lock = asyncio.Lock()
+
+    async def wait(self) -> None:
+        if not self.interval:
+            return
+        async with self.lock:
+            now = time.monotonic()
+            start = max(now, self.next_start)
+            self.next_start = start + self.interval
+        if start > now:
+            await asyncio.sleep(start - now)
+
+
+@dataclass
+class CallResult:
+    ok: bool
+    body: dict[str, Any] | None
+    status: int
+    error: str
+    attempts: int
+    seconds: float
+
+
+class EndpointClient:
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None,
+        max_in_flight: int,
+        qps: float | None,
+        max_retries: int,
+        max_total_wait_s: float,
+        timeout_s: float,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        extra_headers: dict[str, str] | None = None,
+    ):
+        self.url = url
+        self.headers = {"Content-Type": "application/json", **(extra_headers or {})}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.semaphore = asyncio.Semaphore(max_in_flight)
+        self.limiter = RateLimiter(qps)
+        self.max_retries = max_retries
+        self.max_total_wait_s = max_total_wait_s
+        self.timeout_s = timeout_s
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.max_in_flight = max_in_flight
+        self.session: Any = None
+
+    async def __aenter__(self) -> EndpointClient:
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=self.max_in_flight, keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(
+            connector=connector, headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+        )
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.session.close()
+
+    def _wait(self, retry_state: Any) -> float:
+        """Retry-After when the server gave one, else full-jitter exponential backoff."""
+        exc = retry_state.outcome.exception()
+        hinted = getattr(exc, "retry_after", None)
+        if hinted is not None:
+            return min(hinted + random.uniform(0, 0.1 * max(hinted, 0.1)), self.backoff_max_s)
+        ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (retry_state.attempt_number - 1))
+        return random.uniform(0, ceiling)
+
+    async def _once(self, payload: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        import aiohttp
+
+        await self.limiter.wait()
+        async with self.session.post(self.url, data=json.dumps(payload)) as resp:
+            text = await resp.text()
+            if resp.status in RETRY_STATUSES:
+                raise RetryableStatus(resp.status, _reason(text), parse_retry_after(resp.headers.get("Retry-After")))
+            if resp.status >= 400:
+                return resp.status, {"__error__": _reason(text)}
+            try:
+                return resp.status, json.loads(text)
+            except json.JSONDecodeError:
+                raise aiohttp.ClientPayloadError(f"unparsable response body: {text[:120]!r}") from None
+
+    async def call(self, payload: dict[str, Any]) -> CallResult:
+        import aiohttp
+        from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt, stop_after_delay
+
+        started = time.monotonic()
+        attempts = 0
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type((RetryableStatus, aiohttp.ClientConnectionError, asyncio.TimeoutError)),
+            wait=self._wait,
+            stop=stop_after_attempt(self.max_retries + 1) | stop_after_delay(self.max_total_wait_s),
+            reraise=False,
+        )
+        async with self.semaphore:
+            try:
+                async for attempt in retrying:
+                    with attempt:
+                        attempts += 1
+                        status, body = await self._once(payload)
+            except RetryError as exc:
+                last = exc.last_attempt.exception()
+                status = getattr(last, "status", 0)
+                reason = getattr(last, "reason", None) or f"{type(last).__name__}: {last}"
+                return CallResult(False, None, status, f"gave up after {attempts} attempt(s): {reason}", attempts, time.monotonic() - started)
+            except aiohttp.ClientPayloadError as exc:
+                return CallResult(False, None, 200, str(exc), attempts, time.monotonic() - started)
+        if "__error__" in body:
+            return CallResult(False, None, status, body["__error__"], attempts, time.monotonic() - started)
+        return CallResult(True, body, status, "", attempts, time.monotonic() - started)
+
+
+def _reason(text: str) -> str:
+    """The server's error message, short; JSON error bodies are unwrapped."""
+    try:
+        body = json.loads(text)
+        if isinstance(body, dict):
+            err = body.get("error", body)
+            if isinstance(err, dict):
+                return str(err.get("message") or err)[:300]
+            return str(err)[:300]
+    except (json.JSONDecodeError, TypeError):
+        pass
+    return text.strip()[:300] or "(empty body)"

@@ -1,0 +1,76 @@
+"""HttpLLMBatchOperator on the local stack: vLLM's own OpenAI-compatible server (CPU engine, SmolLM2)
+as the real endpoint, and a server that answers 429 to everything for its first 10 s."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from tests.integration.helpers import load_dag, read_rows, task_state, utc, write_jsonl, xcom
+from tests.integration.services import storm_server, vllm_openai_server
+
+pytestmark = pytest.mark.integration
+
+API_KEY = "canary-llm-key-93b1"
+
+
+@pytest.fixture(scope="module")
+def vllm_endpoint(smollm2, service_logs):
+    with vllm_openai_server(smollm2, "smollm2", service_logs) as base_url:
+        yield base_url
+
+
+def _conn(monkeypatch, base_url):
+    monkeypatch.setenv("AIRFLOW_CONN_LLM_TEST", json.dumps({"conn_type": "http", "host": base_url, "password": API_KEY}))
+
+
+def test_answers_every_row_with_usage_and_cost(ray_conn, airflow_db, vllm_endpoint, test_home, monkeypatch):
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    _conn(monkeypatch, vllm_endpoint)
+    questions = [f"What is {i} plus {i}?" for i in range(40)]
+    input_uri = write_jsonl(test_home / "inputs" / "http.jsonl", [{"id": i, "prompt": q} for i, q in enumerate(questions)])
+    dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_http")
+    conf = {"input_uri": input_uri, "output_uri": str(test_home / "out" / "http"), "max_in_flight": 16}
+    dag_run = dag.test(logical_date=utc(2026, 9, 1), run_after=utc(2026, 9, 1), run_conf=conf)
+    assert task_state(dag_run, "call") == "success"
+    manifest = xcom(dag.dag_id, dag_run.run_id, "call", "return_value")
+    assert manifest["kind"] == "http" and manifest["rows_in"] == manifest["rows_out"] == 40
+    rows = read_rows(manifest["output_files"])
+    assert sorted(r["id"] for r in rows) == list(range(40))
+    assert all(r["response"].strip() and 0 < r["num_generated_tokens"] <= 16 for r in rows)
+    assert manifest["input_tokens"] == sum(r["num_input_tokens"] for r in rows) > 0
+    assert manifest["output_tokens"] == sum(r["num_generated_tokens"] for r in rows) > 0
+    expected = manifest["input_tokens"] / 1000 * 0.5 + manifest["output_tokens"] / 1000 * 1.5
+    assert abs(manifest["estimated_cost"] - expected) < 1e-6
+    # The API key is a job secret: not in the job record, the job log or XCom.
+    hook = RayJobHook()
+    sid = manifest["submission_id"]
+    assert API_KEY not in json.dumps(hook.get_job_info(sid)) and API_KEY not in hook.get_job_logs(sid)
+    assert API_KEY not in json.dumps(manifest)
+
+
+def test_a_429_storm_loses_no_row_and_keeps_under_the_qps_cap(ray_conn, airflow_db, test_home, service_logs, monkeypatch):
+    qps = 8.0
+    rows = [{"id": i, "prompt": f"row {i}"} for i in range(60)]
+    input_uri = write_jsonl(test_home / "inputs" / "storm.jsonl", rows)
+    with storm_server(10.0, service_logs) as url:
+        _conn(monkeypatch, f"{url}/v1")
+        dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_http")
+        conf = {"input_uri": input_uri, "output_uri": str(test_home / "out" / "storm"), "qps": qps, "max_in_flight": 32}
+        dag_run = dag.test(logical_date=utc(2026, 9, 2), run_after=utc(2026, 9, 2), run_conf=conf)
+        with urllib.request.urlopen(f"{url}/stats") as resp:
+            stats = json.loads(resp.read())
+    assert task_state(dag_run, "call") == "success"
+    manifest = xcom(dag.dag_id, dag_run.run_id, "call", "return_value")
+    assert manifest["rows_out"] == 60 and manifest["rows_errored"] == 0
+    out = read_rows(manifest["output_files"])
+    assert sorted(r["id"] for r in out) == list(range(60))
+    assert all(r["response"] == f"echo: row {r['id']}" for r in out)
+    assert max(r["attempts"] for r in out) > 1, "the storm must have been felt"
+    arrivals = sorted(stats["arrivals"])
+    # Any one-second window holds at most qps requests (the cap is shared by the two actors), +1 for edges.
+    busiest = max(sum(1 for t in arrivals if start <= t < start + 1.0) for start in arrivals)
+    assert busiest <= qps + 1, f"{busiest} requests in one second with qps={qps}"
