@@ -18,3 +18,7 @@ test-unit: setup
 
 clean-local:
 	$(PY) -m airflow_provider_rayllm.local stop || true
+
+# Benchmarks write benchmarks/results/<date>.json and docs/PERFORMANCE.md; not part of `make test`.
+bench: setup
+	$(PY) benchmarks/http_bench.py

