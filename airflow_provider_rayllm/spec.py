@@ -231,6 +231,9 @@ class VLLMProcessorSpec(_Strict):
                 raise ValueError(f"LoRA adapter name {name!r} must be a plain folder name (letters, digits, . _ -)")
         return value
     log_engine_metrics: bool = Field(False, description="Export vLLM metrics through Ray's Prometheus endpoint.")
+    usage_stats: bool = Field(
+        False, description="Let Ray and vLLM send usage statistics (off: the engine gets the opt-out variables)."
+    )
     resource_profile: Literal["auto", "cpu", "gpu"] = Field(
         "auto",
         description="Engine defaults: 'cpu' (CPU vLLM build), 'gpu', or 'auto' = 'gpu' when the cluster has GPUs.",

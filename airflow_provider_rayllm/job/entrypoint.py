@@ -113,6 +113,7 @@ class VLLMPipeline:
         vllm_pipeline.check_resources(p, self.profile, self.placement, gpus)
         vllm_pipeline.check_engine_kwargs(p.model_source, self.engine_kwargs)
         vllm_pipeline.check_lora_adapters(p.dynamic_lora_loading_path, p.lora_adapters)
+        vllm_pipeline.warn_if_underfed(p, self.engine_kwargs)
         if p.task_type == "generate" and self.spec.prompt.preprocess is None:
             vllm_pipeline.check_sampling_params(self.spec.prompt.sampling_params)
         _say("profile %s (cluster GPUs: %g); engine_kwargs %s; placement %s", self.profile, gpus, self.engine_kwargs, self.placement)

@@ -159,6 +159,34 @@ def check_resources(spec: VLLMProcessorSpec, profile: str, placement: dict[str, 
             )
 
 
+USAGE_STATS_OPT_OUT = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def engine_runtime_env(spec: VLLMProcessorSpec) -> dict[str, Any] | None:
+    """The user's runtime_env for the engine stage, plus the usage-statistics opt-out unless allowed."""
+    if spec.usage_stats:
+        return spec.runtime_env
+    env = dict(spec.runtime_env or {})
+    env["env_vars"] = {**USAGE_STATS_OPT_OUT, **(env.get("env_vars") or {})}
+    return env
+
+
+def warn_if_underfed(spec: VLLMProcessorSpec, engine_kwargs: dict[str, Any]) -> str | None:
+    """The engine can only be as busy as the rows Ray Data hands it at once."""
+    max_num_seqs = engine_kwargs.get("max_num_seqs")
+    if max_num_seqs is None:
+        return None
+    offered = spec.batch_size * spec.max_concurrent_batches
+    if offered >= int(max_num_seqs):
+        return None
+    message = (
+        f"batch_size x max_concurrent_batches = {spec.batch_size} x {spec.max_concurrent_batches} = {offered} rows "
+        f"in flight cannot keep max_num_seqs={max_num_seqs} busy; raise batch_size or max_concurrent_batches"
+    )
+    log.warning(message)
+    return message
+
+
 def _stage(value: bool | dict[str, Any], profile: str) -> bool | dict[str, Any]:
     if profile != "cpu" or value is False:
         return value
@@ -177,7 +205,7 @@ def build(spec: VLLMProcessorSpec, profile: str, engine_kwargs: dict[str, Any], 
         concurrency=spec.concurrency,
         batch_size=spec.batch_size,
         accelerator_type=spec.accelerator_type,
-        runtime_env=spec.runtime_env,
+        runtime_env=engine_runtime_env(spec),
         max_concurrent_batches=spec.max_concurrent_batches,
         max_tasks_in_flight_per_actor=spec.max_tasks_in_flight_per_actor,
         max_pending_requests=spec.max_pending_requests,

@@ -139,6 +139,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         dynamic_lora_loading_path: str | None = None,
         log_engine_metrics: bool = False,
         resource_profile: str = "auto",
+        usage_stats: bool = False,
         apply_chat_template: bool | None = None,
         tokenize: bool | None = None,
         detokenize: bool | None = None,
@@ -193,6 +194,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         self.dynamic_lora_loading_path = dynamic_lora_loading_path
         self.log_engine_metrics = log_engine_metrics
         self.resource_profile = resource_profile
+        self.usage_stats = usage_stats
 
     def source_body(self) -> dict[str, Any]:
         if (self.input_uri is None) == (self.sql is None):
@@ -235,6 +237,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
             "lora_adapters": self.lora_adapters,
             "log_engine_metrics": self.log_engine_metrics,
             "resource_profile": self.resource_profile,
+            "usage_stats": self.usage_stats,
             **stages,
         }
         return {

@@ -40,8 +40,6 @@ def _operator(**overrides) -> VLLMBatchOperator:
 _VARIANTS = {
     "rayllm_it_deferred": {"deferrable": True},
     "rayllm_it_sync": {"deferrable": False},
-    # Input from GCS, output to S3, credentials from Airflow connections.
-    "rayllm_it_buckets": {"deferrable": True, "aws_conn_id": "s3_test", "gcp_conn_id": "gcs_test"},
     # Input from a SQL query on the `sql_test` connection.
     "rayllm_it_sql": {"deferrable": False, "input_uri": None, "sql": "{{ params.sql }}", "sql_conn_id": "sql_test"},
 }

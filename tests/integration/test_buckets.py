@@ -46,7 +46,7 @@ def buckets(endpoints, monkeypatch_module):
     pq.write_table(pa.table({"id": list(range(len(QUESTIONS))), "prompt": QUESTIONS}), sink)
     bucket.blob("batch/part-0.parquet").upload_from_string(sink.getvalue())
     monkeypatch_module.setenv(
-        "AIRFLOW_CONN_S3_TEST",
+        "AIRFLOW_CONN_AWS_DEFAULT",
         json.dumps(
             {
                 "conn_type": "aws",
@@ -57,7 +57,7 @@ def buckets(endpoints, monkeypatch_module):
         ),
     )
     monkeypatch_module.setenv(
-        "AIRFLOW_CONN_GCS_TEST",
+        "AIRFLOW_CONN_GCS_DEFAULT",
         json.dumps({"conn_type": "google_cloud_platform", "extra": {"storage_emulator_host": endpoints["gcs"], "project": "test"}}),
     )
     return {"s3": s3, "gcs": gcs}
@@ -72,9 +72,9 @@ def monkeypatch_module():
 
 @pytest.fixture(scope="module")
 def bucket_run(ray_conn, airflow_db, smollm2, buckets):
-    dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_buckets")
+    dag = load_dag("dags_examples", "example_gcs_parquet", "example_gcs_parquet")
     date = utc(2026, 5, 1)
-    conf = {"model_source": str(smollm2), "input_uri": "gs://questions/batch/", "output_uri": "s3://answers/runs/may-1"}
+    conf = {"model_source": str(smollm2), "input_uri": "gs://questions/batch/", "output_prefix": "s3://answers/runs"}
     dag_run = dag.test(logical_date=date, run_after=date, run_conf=conf)
     return {"dag_run": dag_run, "conf": conf}
 
@@ -84,7 +84,7 @@ def test_gcs_in_s3_out_with_connection_credentials(bucket_run, buckets):
     assert task_state(dag_run, "generate") == "success"
     manifest = xcom(dag_run.dag_id, dag_run.run_id, "generate", "return_value")
     assert manifest["rows_in"] == manifest["rows_out"] == len(QUESTIONS)
-    assert all(f["uri"].startswith("s3://answers/runs/may-1/_generations/") for f in manifest["output_files"])
+    assert all(f["uri"].startswith("s3://answers/runs/2026-05-01/_generations/") for f in manifest["output_files"])
     rows = []
     for f in manifest["output_files"]:
         key = f["uri"].removeprefix("s3://answers/")
@@ -93,7 +93,7 @@ def test_gcs_in_s3_out_with_connection_credentials(bucket_run, buckets):
         rows.extend(pq.read_table(io.BytesIO(body)).to_pylist())
     assert sorted(r["id"] for r in rows) == list(range(len(QUESTIONS)))
     assert all(r["response"].strip() for r in rows)
-    published = json.loads(buckets["s3"].get_object(Bucket="answers", Key="runs/may-1/manifest.json")["Body"].read())
+    published = json.loads(buckets["s3"].get_object(Bucket="answers", Key="runs/2026-05-01/manifest.json")["Body"].read())
     assert published["submission_id"] == manifest["submission_id"]
 
 

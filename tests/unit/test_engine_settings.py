@@ -1,0 +1,41 @@
+"""Engine settings the job derives before any engine starts."""
+
+from airflow_provider_rayllm.job import vllm_pipeline
+from airflow_provider_rayllm.spec import VLLMProcessorSpec
+
+
+def spec(**kw):
+    return VLLMProcessorSpec(model_source="/m", **kw)
+
+
+def test_cpu_profile_defaults_and_user_overrides():
+    kwargs = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"max_model_len": 512}), "cpu")
+    assert kwargs["max_model_len"] == 512 and kwargs["enforce_eager"] is True
+    assert vllm_pipeline.placement_for(spec(engine_kwargs={"tensor_parallel_size": 2}), "cpu", {"tensor_parallel_size": 2}) == {
+        "bundles": [{"CPU": 1}, {"CPU": 1}],
+        "strategy": "PACK",
+    }
+    assert vllm_pipeline.placement_for(spec(), "gpu", {}) is None
+    assert vllm_pipeline.resolve_profile(spec(), gpus=0) == "cpu"
+    assert vllm_pipeline.resolve_profile(spec(), gpus=8) == "gpu"
+
+
+def test_cpu_lora_gets_a_second_slot():
+    kwargs = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"enable_lora": True, "max_loras": 1}), "cpu")
+    assert kwargs["max_loras"] == 2
+    assert vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"enable_lora": True, "max_loras": 1}), "gpu")["max_loras"] == 1
+
+
+def test_usage_statistics_opt_out_reaches_the_engine_env():
+    env = vllm_pipeline.engine_runtime_env(spec(runtime_env={"env_vars": {"FOO": "1"}, "pip": ["x"]}))
+    assert env["env_vars"] == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "RAY_USAGE_STATS_ENABLED": "0", "FOO": "1"}
+    assert env["pip"] == ["x"]
+    assert vllm_pipeline.engine_runtime_env(spec(usage_stats=True)) is None
+
+
+def test_underfed_engine_warning():
+    assert vllm_pipeline.warn_if_underfed(spec(batch_size=8, max_concurrent_batches=2), {"max_num_seqs": 64}).startswith(
+        "batch_size x max_concurrent_batches = 8 x 2 = 16"
+    )
+    assert vllm_pipeline.warn_if_underfed(spec(batch_size=32, max_concurrent_batches=8), {"max_num_seqs": 256}) is None
+    assert vllm_pipeline.warn_if_underfed(spec(), {}) is None
