@@ -18,6 +18,7 @@ def get_provider_info() -> dict:
                 "python-modules": [
                     "airflow_provider_rayllm.operators.vllm_batch",
                     "airflow_provider_rayllm.operators.http_batch",
+                    "airflow_provider_rayllm.operators.model_upload",
                 ],
             },
         ],

@@ -426,6 +426,10 @@ class JobSpec(_Strict):
     def model_name(self) -> str:
         return self.processor.model_source if self.processor is not None else self.http.model  # type: ignore[union-attr]
 
+    @property
+    def output_uri(self) -> str:
+        return self.sink.uri
+
     def content_hash(self) -> str:
         """Hash of what the job computes; the run section is excluded."""
         body = self.model_dump(mode="json", exclude={"run"})
@@ -433,6 +437,55 @@ class JobSpec(_Strict):
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)
+
+
+class UploadJobSpec(_Strict):
+    """Copy model weights to a bucket, verified file by file (the guide's upload_model, as a job)."""
+
+    version: Literal[1] = Field(SPEC_VERSION, description="Spec version; the job refuses other versions.")
+    kind: Literal["upload"] = Field("upload", description="Which job runs.")
+    model_source: str = Field(min_length=1, description="Hugging Face id or a folder on the cluster.")
+    bucket_uri: str = Field(description="s3:// or gs:// prefix that receives the model's files.")
+    revision: str | None = Field(None, description="Hugging Face revision (branch, tag or commit).")
+    allow_patterns: list[str] | None = Field(None, description="Only files matching these globs.")
+    ignore_patterns: list[str] | None = Field(None, description="Leave out files matching these globs.")
+    overwrite: bool = Field(False, description="Replace a destination that holds a different model.")
+    run: RunSpec = Field(default_factory=RunSpec)
+
+    @field_validator("bucket_uri")
+    @classmethod
+    def _bucket(cls, value: str) -> str:
+        _check_uri("bucket_uri", value)
+        if uri_scheme(value) not in ("s3", "gs", "gcs", "file"):
+            raise ValueError(f"bucket_uri {value!r} must be an s3:// or gs:// prefix")
+        return value.rstrip("/")
+
+    @property
+    def output_uri(self) -> str:
+        return self.bucket_uri
+
+    @property
+    def model_name(self) -> str:
+        return self.model_source
+
+    def content_hash(self) -> str:
+        body = self.model_dump(mode="json", exclude={"run"})
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+
+AnySpec = Union[JobSpec, UploadJobSpec]
+
+
+def validate_body(data: str | dict[str, Any]) -> AnySpec:
+    """The spec model for the body's kind; pydantic's ValidationError on bad input."""
+    if isinstance(data, str):
+        data = json.loads(data)
+    if isinstance(data, dict) and data.get("kind") == "upload":
+        return UploadJobSpec.model_validate(data)
+    return JobSpec.model_validate(data)
 
 
 def map_guide_flags(settings: dict[str, Any]) -> dict[str, Any]:
@@ -487,11 +540,11 @@ def format_validation_error(exc: ValidationError, rename: Callable[[str], str] |
     return "; ".join(clauses)
 
 
-def parse_spec(data: str | dict[str, Any]) -> JobSpec:
+def parse_spec(data: str | dict[str, Any]) -> AnySpec:
     """Validate a spec, turning pydantic's errors into one SpecError naming each field."""
     try:
-        if isinstance(data, str):
-            return JobSpec.model_validate_json(data)
-        return JobSpec.model_validate(data)
+        return validate_body(data)
     except ValidationError as exc:
         raise SpecError(f"invalid job spec: {format_validation_error(exc)}") from None
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"the job spec is not JSON: {exc}") from None

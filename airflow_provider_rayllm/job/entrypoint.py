@@ -33,6 +33,7 @@ from airflow_provider_rayllm.spec import (
     JobSpec,
     SpecError,
     SqlSource,
+    UploadJobSpec,
     parse_spec,
 )
 
@@ -317,8 +318,13 @@ def main(argv: list[str]) -> int:
     try:
         with open(spec_path, encoding="utf-8") as handle:
             spec = parse_spec(handle.read())
-        _say("submission %s: %s -> %s", submission_id, spec.model_name, spec.sink.uri)
-        body = run(spec, submission_id, package_dir)
+        _say("submission %s: %s -> %s", submission_id, spec.model_name, spec.output_uri)
+        if isinstance(spec, UploadJobSpec):
+            from airflow_provider_rayllm.job import upload
+
+            body = upload.run(spec, submission_id)
+        else:
+            body = run(spec, submission_id, package_dir)
     except (JobError, SpecError) as exc:
         print(f"{ERROR_LOG_PREFIX}{secrets.scrub(str(exc), secrets.secret_values())}", flush=True)
         return 1

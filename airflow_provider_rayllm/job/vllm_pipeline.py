@@ -126,6 +126,21 @@ def check_lora_adapters(path: str | None, names: list[str] | None) -> None:
 
 def check_model_source(model_source: str) -> None:
     scheme = uri_scheme(model_source)
+    if scheme in ("s3", "gs", "gcs"):
+        from airflow_provider_rayllm.job import io
+
+        fs, root = io.filesystem_for(model_source.rstrip("/"))
+        import pyarrow.fs as pafs
+
+        try:
+            found = fs.get_file_info(f"{root}/config.json").type != pafs.FileType.NotFound
+        except OSError as exc:
+            raise JobError(f"model_source {model_source!r} cannot be read: {exc}") from None
+        if not found:
+            raise JobError(
+                f"model_source {model_source!r} has no config.json; upload the model there first (ModelUploadOperator)"
+            )
+        return
     looks_local = model_source.startswith(("/", "./", "../", "~")) or scheme == "file"
     if looks_local:
         path = os.path.expanduser(model_source.removeprefix("file://"))

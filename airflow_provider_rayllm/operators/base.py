@@ -1,6 +1,6 @@
 """What every batch operator shares: submit or re-attach, wait (deferred or not), publish the manifest.
 
-A subclass only turns its rendered arguments into a JobSpec (``build_spec``).
+A subclass only turns its rendered arguments into a job spec (``spec_body``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ from airflow_provider_rayllm.job.secrets import SECRETS_FILE, SETUP_HOOK
 from airflow_provider_rayllm.job.sql import SINK_SQL_URI_ENV, SQL_URI_ENV
 from airflow_provider_rayllm.operators import credentials
 from airflow_provider_rayllm.links import RayJobLink
-from airflow_provider_rayllm.spec import ERROR_LOG_PREFIX, MANIFEST_LOG_PREFIX, JobSpec, RunSpec, SpecError
+from airflow_provider_rayllm.spec import (
+    ERROR_LOG_PREFIX,
+    MANIFEST_LOG_PREFIX,
+    AnySpec,
+    RunSpec,
+    SpecError,
+    validate_body,
+)
 from airflow_provider_rayllm.triggers.ray_job import RayJobTrigger
 
 if TYPE_CHECKING:
@@ -148,12 +155,13 @@ class RayLLMBatchBaseOperator(BaseOperator):
             )
         return default_output_uri(base, run.dag_id, run.run_id, run.task_id, run.map_index)
 
-    def build_spec(self, context: Context, package_dir: Path) -> JobSpec:
+    def build_spec(self, context: Context, package_dir: Path) -> AnySpec:
         run = self._run_spec(context)
         output_uri = self.resolve_output_uri(run)
         try:
             body = self.spec_body(context, output_uri, package_dir)
-            body["sink"] = self.sink_body(output_uri, run)
+            if body.get("kind") != "upload":
+                body["sink"] = self.sink_body(output_uri, run)
         except SpecError as exc:
             raise InvalidSpec(f"{self.task_id}: {exc}") from None
         body["run"] = run.model_dump()
@@ -162,7 +170,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
         from airflow_provider_rayllm.spec import format_validation_error
 
         try:
-            return JobSpec.model_validate(body)
+            return validate_body(body)
         except ValidationError as exc:
             raise InvalidSpec(f"{self.task_id}: invalid settings: {format_validation_error(exc, user_field)}") from None
 
@@ -218,7 +226,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
             env["py_modules"] = [*env.get("py_modules", []), str(PACKAGE_DIR)]
         return env
 
-    def _submit(self, submission_id: str, spec: JobSpec, package_dir: Path) -> None:
+    def _submit(self, submission_id: str, spec: AnySpec, package_dir: Path) -> None:
         (package_dir / "spec.json").write_text(spec.to_json())
         secrets = self.job_secrets()
         if secrets:
@@ -227,7 +235,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
             path.write_text(json.dumps(secrets))
             self.log.info("Job secrets passed through the job package: %s", sorted(secrets))
         metadata = {
-            METADATA_OUTPUT_URI: spec.sink.uri,
+            METADATA_OUTPUT_URI: spec.output_uri,
             "rayllm_submission_id": submission_id,
             "rayllm_spec_hash": spec.content_hash()[:16],
             "airflow_dag_id": spec.run.dag_id,
@@ -258,7 +266,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
             run = spec.run
             base_id = submission_base_id(run.dag_id, run.run_id, run.task_id, run.map_index, spec.content_hash())
             action, submission_id = self._resolve_generation(base_id)
-            self.log.info("Output prefix %s; Ray submission %s (%s)", spec.sink.uri, submission_id, action)
+            self.log.info("Output prefix %s; Ray submission %s (%s)", spec.output_uri, submission_id, action)
             if action == "submit":
                 self._submit(submission_id, spec, package_dir)
         self._submission_id = submission_id
@@ -323,6 +331,11 @@ class RayLLMBatchBaseOperator(BaseOperator):
             detail = f": {error}" if error else ""
             raise RayJobFailed(f"Ray job {submission_id} ended {status}{detail} (Ray: {message})")
         manifest = self._read_manifest(submission_id)
+        self._publish(context, manifest)
+        return manifest
+
+    def _publish(self, context: Context, manifest: dict[str, Any]) -> None:
+        """Push the output location and say what the job did (batch jobs; the upload operator overrides)."""
         context["ti"].xcom_push(key="output_uri", value=manifest["outputs_uri"])
         self.log.info(
             "Published %s: %d rows in, %d out, %d errors; tokens in/out %d/%d",
@@ -335,7 +348,6 @@ class RayLLMBatchBaseOperator(BaseOperator):
         )
         if manifest["rows_errored"]:
             self.log.warning("%d error rows are in %s", manifest["rows_errored"], manifest["errors_uri"])
-        return manifest
 
     def _read_manifest(self, submission_id: str) -> dict[str, Any]:
         """The published manifest; it must be this submission's (a stale one is never returned)."""

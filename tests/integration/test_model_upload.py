@@ -1,0 +1,133 @@
+"""ModelUploadOperator on the local stack: SmolLM2 uploaded to moto's S3 and to the GCS emulator,
+repeated (skipped), changed (re-uploaded), interrupted (completed by a retry), refused when the
+destination holds another model; then inference from the bucket gives the local folder's answers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.integration.helpers import StandInTI, load_dag, read_rows, task_state, utc, xcom
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def s3(s3_endpoint):
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="AKIAUP", aws_secret_access_key="up-secret", region_name="us-east-1")
+    client.create_bucket(Bucket="models")
+    mp = pytest.MonkeyPatch()
+    mp.setenv(
+        "AIRFLOW_CONN_AWS_DEFAULT",
+        json.dumps({"conn_type": "aws", "login": "AKIAUP", "password": "up-secret", "extra": {"endpoint_url": s3_endpoint}}),
+    )
+    yield client
+    mp.undo()
+
+
+def upload(model_source, bucket_uri, task="upload", **kw):
+    """Run the operator's execute() as a task instance would (non-deferred, real Ray job)."""
+    from airflow_provider_rayllm.operators.model_upload import ModelUploadOperator
+
+    op = ModelUploadOperator(task_id=task, model_source=str(model_source), bucket_uri=bucket_uri, poll_interval=0.5, **kw)
+    ti = StandInTI("upload_tests", f"manual__{bucket_uri}", task)
+    return op.execute({"ti": ti}), ti
+
+
+def test_fresh_then_repeated_then_changed(ray_conn, smollm2, s3, tmp_path):
+    first, ti = upload(smollm2, "s3://models/fresh", aws_conn_id="aws_default")
+    assert first["skipped"] is False and first["uploaded_files"] == first["file_count"] >= 5
+    assert ti.xcom["output_uri"] == "s3://models/fresh"
+    keys = {o["Key"]: o["Size"] for o in s3.list_objects_v2(Bucket="models", Prefix="fresh/")["Contents"]}
+    for f in first["files"]:
+        assert keys[f"fresh/{f['path']}"] == f["bytes"]
+    stored = json.loads(s3.get_object(Bucket="models", Key="fresh/rayllm-model-manifest.json")["Body"].read())
+    assert stored["checksum"] == first["checksum"]
+
+    again, _ = upload(smollm2, "s3://models/fresh", task="upload_again", aws_conn_id="aws_default")
+    assert again["skipped"] is True and again["uploaded_files"] == 0 and again["checksum"] == first["checksum"]
+
+    changed_dir = tmp_path / "smol-changed"
+    shutil.copytree(smollm2, changed_dir)
+    config = json.loads((changed_dir / "generation_config.json").read_text())
+    (changed_dir / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.5}))
+    # Same model_source name is what makes it "the same model, changed"; use overwrite for a new path.
+    changed, _ = upload(changed_dir, "s3://models/fresh", task="upload_changed", aws_conn_id="aws_default", overwrite=True)
+    assert changed["skipped"] is False and changed["uploaded_files"] == 1
+    assert changed["checksum"] != first["checksum"]
+
+
+def test_interrupted_upload_is_completed_by_a_retry(ray_conn, smollm2, s3):
+    first, _ = upload(smollm2, "s3://models/interrupted", aws_conn_id="aws_default")
+    # What an interruption leaves: no manifest, one file cut short, one missing.
+    s3.delete_object(Bucket="models", Key="interrupted/rayllm-model-manifest.json")
+    weights = s3.get_object(Bucket="models", Key="interrupted/model.safetensors")["Body"].read()
+    s3.put_object(Bucket="models", Key="interrupted/model.safetensors", Body=weights[: len(weights) // 2])
+    s3.delete_object(Bucket="models", Key="interrupted/tokenizer.json")
+    retried, _ = upload(smollm2, "s3://models/interrupted", task="retry", aws_conn_id="aws_default")
+    assert retried["skipped"] is False and retried["uploaded_files"] >= 2
+    assert retried["checksum"] == first["checksum"]
+    body = s3.get_object(Bucket="models", Key="interrupted/model.safetensors")["Body"].read()
+    assert body == weights
+
+
+def test_another_model_at_the_destination_is_refused(ray_conn, smollm2, s3, tmp_path):
+    from airflow_provider_rayllm.exceptions import RayJobFailed
+
+    upload(smollm2, "s3://models/taken", aws_conn_id="aws_default")
+    other = tmp_path / "other-model"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    with pytest.raises(RayJobFailed, match="holds another model .*overwrite=True"):
+        upload(other, "s3://models/taken", task="other", aws_conn_id="aws_default")
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("/nonexistent/model-folder", "model_source '/nonexistent/model-folder' is not a folder on the cluster"),
+        ("no-such-org/no-such-model", "cannot download it from the Hugging Face Hub"),
+    ],
+)
+def test_bad_sources_fail_clearly(ray_conn, s3, source, expected):
+    from airflow_provider_rayllm.exceptions import RayJobFailed
+
+    with pytest.raises(RayJobFailed, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        upload(source, f"s3://models/bad-{abs(hash(source)) % 1000}", task=f"bad{abs(hash(source)) % 1000}", aws_conn_id="aws_default")
+
+
+def test_upload_to_gcs(ray_conn, smollm2, gcs_endpoint, monkeypatch):
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_endpoint)
+    storage.Client(project="test", credentials=AnonymousCredentials()).create_bucket("gcs-models")
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_GCS_UP",
+        json.dumps({"conn_type": "google_cloud_platform", "extra": {"storage_emulator_host": gcs_endpoint, "project": "test"}}),
+    )
+    result, _ = upload(smollm2, "gs://gcs-models/smol", task="gcs", gcp_conn_id="gcs_up")
+    assert result["skipped"] is False and result["uploaded_files"] == result["file_count"]
+    again, _ = upload(smollm2, "gs://gcs-models/smol", task="gcs_again", gcp_conn_id="gcs_up")
+    assert again["skipped"] is True
+
+
+def test_upload_then_infer_from_the_bucket_matches_the_local_folder(ray_conn, airflow_db, smollm2, s3):
+    date = utc(2026, 10, 1)
+    dag = load_dag("dags_examples", "example_model_upload", "example_model_upload")
+    conf = {"model_source": str(smollm2), "bucket_uri": "s3://models/chain", "max_tokens": 24}
+    dag_run = dag.test(logical_date=date, run_after=date, run_conf=conf)
+    assert task_state(dag_run, "upload") == "success" and task_state(dag_run, "answer") == "success"
+    from_bucket = xcom(dag.dag_id, dag_run.run_id, "answer", "return_value")
+    assert from_bucket["model"] == "s3://models/chain"
+
+    local_dag = load_dag("dags_examples", "example_vllm_batch", "example_vllm_batch")
+    local_run = local_dag.test(logical_date=date, run_after=date, run_conf={"model_source": str(smollm2), "max_tokens": 24})
+    local = xcom(local_dag.dag_id, local_run.run_id, "answer", "return_value")
+    bucket_answers = {r["id"]: r["response"] for r in read_rows(from_bucket["output_files"])}
+    local_answers = {r["id"]: r["response"] for r in read_rows(local["output_files"])}
+    assert len(bucket_answers) == 16 and bucket_answers == local_answers

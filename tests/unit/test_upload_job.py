@@ -1,0 +1,73 @@
+"""The upload job's logic on the local filesystem (the bucket protocols are integration tests)."""
+
+import json
+
+import pytest
+
+from airflow_provider_rayllm.job import upload
+from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.spec import SpecError, UploadJobSpec, parse_spec
+
+
+def model(tmp_path, name="m", weights=b"w" * 1000):
+    folder = tmp_path / name
+    (folder / "sub").mkdir(parents=True)
+    (folder / "config.json").write_text('{"a": 1}')
+    (folder / "model.safetensors").write_bytes(weights)
+    (folder / "sub" / "tokenizer.json").write_text("{}")
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "lock").write_text("x")
+    return folder
+
+
+def spec(source, dest, **kw):
+    return UploadJobSpec(model_source=str(source), bucket_uri=str(dest), **kw)
+
+
+def test_fresh_skip_changed(tmp_path):
+    src, dest = model(tmp_path), tmp_path / "bucket" / "m"
+    first = upload.run(spec(src, dest), "s1")
+    assert [f["path"] for f in first["files"]] == ["config.json", "model.safetensors", "sub/tokenizer.json"]
+    assert first["uploaded_files"] == 3 and not first["skipped"]
+    assert (dest / "model.safetensors").read_bytes() == b"w" * 1000
+    assert json.loads((dest / upload.MODEL_MANIFEST).read_text())["checksum"] == first["checksum"]
+    assert upload.run(spec(src, dest), "s2")["skipped"] is True
+    (src / "config.json").write_text('{"a": 2}')
+    changed = upload.run(spec(src, dest), "s3")
+    assert changed["uploaded_files"] == 1 and changed["checksum"] != first["checksum"]
+
+
+def test_corrupted_destination_is_repaired_and_never_skipped(tmp_path):
+    src, dest = model(tmp_path), tmp_path / "bucket" / "m"
+    upload.run(spec(src, dest), "s1")
+    (dest / "model.safetensors").write_bytes(b"x" * 1000)  # same size, other bytes
+    repaired = upload.run(spec(src, dest), "s2")
+    assert repaired["skipped"] is False and (dest / "model.safetensors").read_bytes() == b"w" * 1000
+
+
+def test_another_model_is_refused_unless_overwrite(tmp_path):
+    dest = tmp_path / "bucket" / "m"
+    upload.run(spec(model(tmp_path, "a"), dest), "s1")
+    with pytest.raises(JobError, match="holds another model"):
+        upload.run(spec(model(tmp_path, "b", b"v" * 10), dest), "s2")
+    assert upload.run(spec(model(tmp_path, "c", b"v" * 10), dest, overwrite=True), "s3")["uploaded_files"] >= 1
+
+
+def test_patterns_and_verification(tmp_path):
+    src, dest = model(tmp_path), tmp_path / "bucket" / "m"
+    only = upload.run(spec(src, dest, allow_patterns=["*.json"], ignore_patterns=["sub/*"]), "s1")
+    assert [f["path"] for f in only["files"]] == ["config.json"]
+    with pytest.raises(JobError, match="no files to upload"):
+        upload.run(spec(src, tmp_path / "b2", allow_patterns=["*.bin"]), "s2")
+    files = upload.source_files(str(src), spec(src, dest))
+    assert upload.verify(__import__("pyarrow.fs").fs.LocalFileSystem(), str(tmp_path / "empty"), files) == [
+        "config.json: missing",
+        "model.safetensors: missing",
+        "sub/tokenizer.json: missing",
+    ]
+
+
+def test_upload_spec_is_checked():
+    with pytest.raises(SpecError, match="bucket_uri 'ftp://x'"):
+        parse_spec({"kind": "upload", "model_source": "m", "bucket_uri": "ftp://x"})
+    assert isinstance(parse_spec({"kind": "upload", "model_source": "m", "bucket_uri": "s3://b/m/"}), UploadJobSpec)
