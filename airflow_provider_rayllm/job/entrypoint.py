@@ -328,5 +328,13 @@ def main(argv: list[str]) -> int:
     except (JobError, SpecError) as exc:
         print(f"{ERROR_LOG_PREFIX}{secrets.scrub(str(exc), secrets.secret_values())}", flush=True)
         return 1
+    except Exception as exc:  # anything unforeseen still ends with one line the operator can quote
+        import traceback
+
+        known = secrets.secret_values()
+        print(secrets.scrub(traceback.format_exc(), known), flush=True)
+        first_line = (str(exc).strip().splitlines() or [""])[0][:500]
+        print(f"{ERROR_LOG_PREFIX}{secrets.scrub(f'{type(exc).__name__}: {first_line}', known)}", flush=True)
+        return 1
     print(manifest.log_line(body), flush=True)
     return 0

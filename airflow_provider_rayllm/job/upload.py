@@ -157,9 +157,12 @@ def run(spec: UploadJobSpec, submission_id: str) -> dict[str, Any]:
             fs.create_dir(parent, recursive=True)
         except OSError:
             pass  # object stores have no folders to create
-        with open(f["local"], "rb") as src, fs.open_output_stream(target) as out:
-            while block := src.read(CHUNK):
-                out.write(block)
+        try:
+            with open(f["local"], "rb") as src, fs.open_output_stream(target) as out:
+                while block := src.read(CHUNK):
+                    out.write(block)
+        except OSError as exc:
+            raise JobError(f"bucket_uri {spec.bucket_uri!r}: cannot write {f['path']}: {exc}") from None
         uploaded += 1
         log.info("uploaded %s (%d bytes)", f["path"], f["bytes"])
     problems = verify(fs, root, files)

@@ -332,7 +332,26 @@ class RayLLMBatchBaseOperator(BaseOperator):
             raise RayJobFailed(f"Ray job {submission_id} ended {status}{detail} (Ray: {message})")
         manifest = self._read_manifest(submission_id)
         self._publish(context, manifest)
+        self._annotate_outlets(context, manifest)
         return manifest
+
+    def _annotate_outlets(self, context: Context, manifest: dict[str, Any]) -> None:
+        """Each declared outlet asset's event carries where this run's output is (URIs and figures only)."""
+        events = context.get("outlet_events")
+        if events is None or not self.outlets:  # (an empty accessor mapping is falsy but usable)
+            return
+        extra = {
+            "output_uri": manifest.get("outputs_uri") or manifest.get("output_uri"),
+            "manifest_uri": manifest.get("output_uri"),
+            "submission_id": manifest.get("submission_id"),
+            "rows_out": manifest.get("rows_out"),
+            "rows_errored": manifest.get("rows_errored"),
+        }
+        for outlet in self.outlets or []:
+            try:
+                events[outlet].extra.update({k: v for k, v in extra.items() if v is not None})
+            except (KeyError, TypeError, AttributeError) as exc:
+                self.log.debug("outlet %r takes no event extra: %s", outlet, exc)
 
     def _publish(self, context: Context, manifest: dict[str, Any]) -> None:
         """Push the output location and say what the job did (batch jobs; the upload operator overrides)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from airflow.sdk import DAG, Param
+from airflow.sdk import DAG, Asset, Param
 
 from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
 from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
@@ -38,7 +38,7 @@ def _operator(**overrides) -> VLLMBatchOperator:
 
 
 _VARIANTS = {
-    "rayllm_it_deferred": {"deferrable": True},
+    "rayllm_it_deferred": {"deferrable": True, "outlets": [Asset("rayllm://tests/deferred-answers")]},
     "rayllm_it_sync": {"deferrable": False},
     # Input from a SQL query on the `sql_test` connection.
     "rayllm_it_sql": {"deferrable": False, "input_uri": None, "sql": "{{ params.sql }}", "sql_conn_id": "sql_test"},

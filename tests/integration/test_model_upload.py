@@ -131,3 +131,12 @@ def test_upload_then_infer_from_the_bucket_matches_the_local_folder(ray_conn, ai
     bucket_answers = {r["id"]: r["response"] for r in read_rows(from_bucket["output_files"])}
     local_answers = {r["id"]: r["response"] for r in read_rows(local["output_files"])}
     assert len(bucket_answers) == 16 and bucket_answers == local_answers
+
+
+def test_missing_bucket_is_a_clear_failure_and_nothing_is_reported_uploaded(ray_conn, smollm2, s3):
+    from airflow_provider_rayllm.exceptions import RayJobFailed
+
+    with pytest.raises(RayJobFailed) as failure:
+        upload(smollm2, "s3://no-such-bucket/smol", task="nobucket", aws_conn_id="aws_default")
+    message = str(failure.value)
+    assert "no-such-bucket" in message and "ended FAILED" in message

@@ -99,6 +99,25 @@ def test_manifest_matches_the_files(deferred_run):
     assert xcom(dag_run.dag_id, dag_run.run_id, "generate", "ray_job_url").endswith(manifest["submission_id"])
 
 
+def test_outlet_asset_event_carries_the_output_uri(deferred_run):
+    from airflow.models.asset import AssetEvent, AssetModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    dag_run = deferred_run["dag_run"]
+    manifest = xcom(dag_run.dag_id, dag_run.run_id, "generate", "return_value")
+    with create_session() as session:
+        events = session.scalars(
+            select(AssetEvent).join(AssetModel, AssetEvent.asset_id == AssetModel.id).where(
+                AssetModel.uri == "rayllm://tests/deferred-answers", AssetEvent.source_run_id == dag_run.run_id
+            )
+        ).all()
+        extras = [dict(e.extra) for e in events]
+    assert len(extras) == 1
+    assert extras[0]["output_uri"] == manifest["outputs_uri"]
+    assert extras[0]["rows_out"] == 6 and extras[0]["submission_id"] == manifest["submission_id"]
+
+
 def test_same_task_instance_again_creates_no_second_job(deferred_run, hook):
     dag, conf = load_dag("tests/dags", "rayllm_it", "rayllm_it_deferred"), deferred_run["conf"]
     first = xcom(dag.dag_id, deferred_run["dag_run"].run_id, "generate", "return_value")
