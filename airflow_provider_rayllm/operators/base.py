@@ -13,7 +13,7 @@ import tempfile
 import time
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, conf
 

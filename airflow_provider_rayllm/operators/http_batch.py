@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from airflow.sdk import BaseHook
 
 from airflow_provider_rayllm.exceptions import InvalidSpec
 from airflow_provider_rayllm.job.http_pipeline import API_KEY_ENV
-from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator, _callable_ref
+from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -123,5 +123,3 @@ class HttpLLMBatchOperator(VLLMBatchOperator):
             body["prompt"]["sampling_params"] = {}
         return body
 
-
-__all__ = ["HttpLLMBatchOperator", "endpoint_from_connection", "_callable_ref"]

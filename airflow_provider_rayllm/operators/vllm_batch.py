@@ -49,7 +49,6 @@ def _callable_ref(fn: Callable | str | None, name: str, package_dir: Path) -> di
         return {"import_path": fn}
     if not callable(fn):
         raise TypeError(f"{name} must be a callable or a 'module:function' string, got {fn!r}")
-    import cloudpickle
 
     file_name = f"{name}.pkl"
     (package_dir / file_name).write_bytes(_pickle_by_value(fn))

@@ -12,6 +12,7 @@ from aiohttp import web
 from airflow_provider_rayllm.job.http_client import EndpointClient, RateLimiter, parse_retry_after
 from airflow_provider_rayllm.job.http_pipeline import payload_for
 from airflow_provider_rayllm.spec import HttpProcessorSpec
+from tests.unit.local_http import start_app
 
 
 def test_retry_after_seconds_and_dates():
@@ -79,11 +80,7 @@ async def server():
     faulty = Faulty()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", faulty.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await start_app(app)
     yield faulty, f"http://127.0.0.1:{port}/v1/chat/completions"
     await runner.cleanup()
 

@@ -7,6 +7,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from airflow_provider_rayllm.triggers.ray_job import RayJobTrigger
+from tests.unit.local_http import start_app
 
 
 class JobsApi:
@@ -39,11 +40,7 @@ async def serve(monkeypatch):
         app = web.Application()
         app.router.add_get("/api/jobs/{id}", api.get)
         app.router.add_post("/api/jobs/{id}/stop", api.stop)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, port = await start_app(app)
         conn = {"conn_type": "ray", "host": f"http://127.0.0.1:{port}", "password": token}
         monkeypatch.setenv("AIRFLOW_CONN_RAY_TEST", json.dumps(conn))
         runners.append(runner)
