@@ -38,6 +38,9 @@ os.environ["AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST"] = json.dumps(
 )
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags_examples")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Tests talk to loopback endpoints only: cloud clients must never fall back to a metadata server.
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+os.environ.setdefault("NO_GCE_CHECK", "True")
 Path(os.environ["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
 
 

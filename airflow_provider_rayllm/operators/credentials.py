@@ -59,7 +59,10 @@ def gcp_env(conn_id: str) -> dict[str, str]:
         env["GOOGLE_CLOUD_PROJECT"] = project
     emulator = _extra(conn, "storage_emulator_host", "google_cloud_platform")
     if emulator:
+        # google-cloud-storage reads the first name; pyarrow's GCS client (used by Ray's model
+        # loader) reads the second.
         env["STORAGE_EMULATOR_HOST"] = emulator
+        env["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = emulator
     return env
 
 

@@ -31,6 +31,12 @@ def test_aws_half_credentials_are_refused(monkeypatch):
         credentials.aws_env("a")
 
 
+def test_gcs_emulator_reaches_both_clients(monkeypatch):
+    conn(monkeypatch, "g", conn_type="google_cloud_platform", extra={"storage_emulator_host": "http://127.0.0.1:9023"})
+    env = credentials.gcp_env("g")
+    assert env["STORAGE_EMULATOR_HOST"] == env["CLOUD_STORAGE_EMULATOR_ENDPOINT"] == "http://127.0.0.1:9023"
+
+
 def test_gcp_keyfile_travels_as_text(monkeypatch):
     key = {"type": "service_account", "private_key": "-----KEY-----"}
     conn(monkeypatch, "g", conn_type="google_cloud_platform", extra={"keyfile_dict": json.dumps(key), "project": "p1"})
