@@ -42,22 +42,26 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 
 
 class RateLimiter:
-    """At most ``qps`` request starts per second (evenly spaced); None means no cap."""
+    """At most ``qps`` request starts per second: consecutive starts are at least ``1/qps`` apart.
+
+    The spacing is measured from when a start actually happened, not from when it was scheduled, so a
+    late wake-up (a busy event loop, a slow host) never lets two starts bunch up; None means no cap.
+    """
 
     def __init__(self, qps: float | None):
         self.interval = 1.0 / qps if qps else 0.0
-        self.next_start = 0.0
+        self.last_start: float | None = None
         self.lock = asyncio.Lock()
 
     async def wait(self) -> None:
         if not self.interval:
             return
         async with self.lock:
-            now = time.monotonic()
-            start = max(now, self.next_start)
-            self.next_start = start + self.interval
-        if start > now:
-            await asyncio.sleep(start - now)
+            if self.last_start is not None:
+                delay = self.last_start + self.interval - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            self.last_start = time.monotonic()
 
 
 @dataclass

@@ -71,6 +71,8 @@ def test_a_429_storm_loses_no_row_and_keeps_under_the_qps_cap(ray_conn, airflow_
     assert all(r["response"] == f"echo: row {r['id']}" for r in out)
     assert max(r["attempts"] for r in out) > 1, "the storm must have been felt"
     arrivals = sorted(stats["arrivals"])
-    # Any one-second window holds at most qps requests (the cap is shared by the two actors), +1 for edges.
+    # The cap is split between the two actors (qps/2 each, starts at least 2/qps apart per actor), so any
+    # one-second window holds at most qps starts; arrivals are timed at the server, +1 per actor for the
+    # network's jitter at the window's edges.
     busiest = max(sum(1 for t in arrivals if start <= t < start + 1.0) for start in arrivals)
-    assert busiest <= qps + 1, f"{busiest} requests in one second with qps={qps}"
+    assert busiest <= qps + 2, f"{busiest} requests in one second with qps={qps}"

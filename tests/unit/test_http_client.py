@@ -148,3 +148,18 @@ async def test_rate_limiter_spaces_request_starts():
     started = time.monotonic()
     await asyncio.gather(*(limiter.wait() for _ in range(11)))
     assert time.monotonic() - started >= 0.45
+
+
+@pytest.mark.asyncio
+async def test_rate_limiter_keeps_the_gap_even_when_the_loop_wakes_late():
+    limiter = RateLimiter(qps=10)
+    starts = []
+
+    async def one():
+        await limiter.wait()
+        starts.append(time.monotonic())
+        time.sleep(0.15)  # hog the loop: the next waiter wakes late
+
+    await asyncio.gather(*(one() for _ in range(6)))
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert min(gaps) >= 0.099, gaps
