@@ -17,6 +17,7 @@ SECRETS_FILE = "secrets.json"
 SETUP_HOOK = "airflow_provider_rayllm.job.secrets.load_into_env"
 # A service-account key travels as JSON text and becomes a 0600 file for the Google clients.
 GCP_KEYFILE_JSON = "RAYLLM_GCP_KEYFILE_JSON"
+GCP_KEYFILE_NAME = "gcp-keyfile.json"
 
 
 def load_into_env(directory: str | None = None) -> list[str]:
@@ -28,14 +29,23 @@ def load_into_env(directory: str | None = None) -> list[str]:
         values: dict[str, str] = json.load(handle)
     keyfile = values.pop(GCP_KEYFILE_JSON, None)
     if keyfile:
-        fd, key_path = tempfile.mkstemp(prefix="rayllm-gcp-", suffix=".json")
-        with os.fdopen(fd, "w") as out:
-            out.write(keyfile)
-        os.chmod(key_path, stat.S_IRUSR | stat.S_IWUSR)
-        values["GOOGLE_APPLICATION_CREDENTIALS"] = key_path
+        values["GOOGLE_APPLICATION_CREDENTIALS"] = _private_keyfile(os.path.dirname(os.path.abspath(path)), keyfile)
     for name, value in values.items():
         os.environ[name] = str(value)
     return sorted(values)
+
+
+def _private_keyfile(directory: str, keyfile: str) -> str:
+    """The key as a 0600 file beside secrets.json: it lives and goes with the job's package, like the
+    secrets file itself, instead of piling up in /tmp. Every worker of the job writes the same bytes;
+    the rename makes each write whole."""
+    key_path = os.path.join(directory, GCP_KEYFILE_NAME)
+    fd, tmp_path = tempfile.mkstemp(prefix=".gcp-key-", dir=directory)
+    with os.fdopen(fd, "w") as out:
+        out.write(keyfile)
+    os.chmod(tmp_path, stat.S_IRUSR | stat.S_IWUSR)
+    os.replace(tmp_path, key_path)
+    return key_path
 
 
 def secret_values() -> list[str]:

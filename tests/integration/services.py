@@ -57,11 +57,11 @@ def s3_server(log_dir: Path) -> Iterator[str]:
 
 @contextmanager
 def gcs_server(log_dir: Path) -> Iterator[str]:
-    """gcp-storage-emulator: the GCS JSON API on loopback, in memory."""
+    """gcp-storage-emulator: the GCS JSON API on loopback, in memory, one thread per request."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    binary = Path(sys.executable).with_name("gcp-storage-emulator")
-    cmd = [str(binary), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"]
+    script = Path(__file__).with_name("gcs_emulator.py")
+    cmd = [sys.executable, str(script), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"]
     with _process(cmd, url, log_dir / "gcs-emulator.log"):
         yield url
 
@@ -87,3 +87,115 @@ def storm_server(storm_seconds: float, log_dir: Path) -> Iterator[str]:
     script = Path(__file__).with_name("storm_server.py")
     with _process([sys.executable, str(script), str(port), str(storm_seconds)], f"http://127.0.0.1:{port}/stats", log_dir / "storm.log"):
         yield f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def oauth_token_server(log_dir: Path) -> Iterator[str]:
+    """An OAuth 2.0 token endpoint on loopback (the refresh-token grant), for `authorized_user` credentials.
+
+    The GCS emulator takes any bearer token, but Google's C++ client (pyarrow's GCS filesystem, which Ray's
+    model loader uses) must first obtain one from the credentials' token_uri; this serves it locally.
+    """
+    port = free_port()
+    script = Path(__file__).with_name("token_server.py")
+    with _process([sys.executable, str(script), str(port)], f"http://127.0.0.1:{port}/token", log_dir / "oauth.log"):
+        yield f"http://127.0.0.1:{port}/token"
+
+
+def authorized_user_keyfile(token_uri: str) -> dict[str, str]:
+    """Google `authorized_user` credentials whose token comes from the local token endpoint."""
+    return {
+        "type": "authorized_user",
+        "client_id": "rayllm-tests",
+        "client_secret": "local-client-secret",
+        "refresh_token": "local-refresh-token",
+        "token_uri": token_uri,
+    }
+
+
+@contextmanager
+def echo_server(delay_s: float, log_dir: Path) -> Iterator[str]:
+    """A chat endpoint that echoes each prompt after ``delay_s``; GET /stats counts requests per prompt."""
+    port = free_port()
+    script = Path(__file__).with_name("echo_server.py")
+    with _process([sys.executable, str(script), str(port), str(delay_s)], f"http://127.0.0.1:{port}/stats", log_dir / "echo.log"):
+        yield f"http://127.0.0.1:{port}"
+
+
+class TcpProxy:
+    """A TCP relay on loopback that can go dark: while down, its port refuses connections (nothing listens)
+    and open connections are cut, as when a dashboard host drops off the network."""
+
+    def __init__(self, target_host: str, target_port: int):
+        import socket
+        import threading
+
+        self.target = (target_host, target_port)
+        self.port = free_port()
+        self._socket, self._threading = socket, threading
+        self._conns: list = []
+        self._lock = threading.Lock()
+        self._listener = None
+        self._up = threading.Event()
+        self.up()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def up(self) -> None:
+        socket = self._socket
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        self._threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _accept(self, listener) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # closed by down()
+            try:
+                upstream = self._socket.create_connection(self.target, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                self._threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.down()

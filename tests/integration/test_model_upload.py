@@ -100,23 +100,51 @@ def test_bad_sources_fail_clearly(ray_conn, s3, source, expected):
         upload(source, f"s3://models/bad-{abs(hash(source)) % 1000}", task=f"bad{abs(hash(source)) % 1000}", aws_conn_id="aws_default")
 
 
-def test_upload_to_gcs(ray_conn, smollm2, gcs_endpoint, monkeypatch):
+QUICKSTART = dict(
+    prompt_column="prompt",
+    system_prompt="You are a helpful assistant. Answer in one or two sentences.",
+    sampling_params={"temperature": 0.0, "max_tokens": 24},
+    engine_kwargs={"max_model_len": 1024},
+    batch_size=16,
+)  # the settings of example_model_upload's "answer" task
+
+
+@pytest.fixture(scope="module")
+def local_answers(ray_conn, airflow_db, smollm2):
+    """The quickstart's answers with the model read from its local folder: what every bucket must reproduce."""
+    date = utc(2026, 10, 1)
+    local_dag = load_dag("dags_examples", "example_vllm_batch", "example_vllm_batch")
+    local_run = local_dag.test(logical_date=date, run_after=date, run_conf={"model_source": str(smollm2), "max_tokens": 24})
+    local = xcom(local_dag.dag_id, local_run.run_id, "answer", "return_value")
+    return {r["id"]: r["response"] for r in read_rows(local["output_files"])}
+
+
+@pytest.fixture()
+def gcs_conn(gcs_endpoint, service_logs, monkeypatch):
+    """A bucket on the GCS emulator and a google_cloud_platform connection with a keyfile, as users have."""
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
+    from tests.integration.services import authorized_user_keyfile, oauth_token_server
+
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_endpoint)
-    storage.Client(project="test", credentials=AnonymousCredentials()).create_bucket("gcs-models")
-    monkeypatch.setenv(
-        "AIRFLOW_CONN_GCS_UP",
-        json.dumps({"conn_type": "google_cloud_platform", "extra": {"storage_emulator_host": gcs_endpoint, "project": "test"}}),
-    )
-    result, _ = upload(smollm2, "gs://gcs-models/smol", task="gcs", gcp_conn_id="gcs_up")
+    client = storage.Client(project="test", credentials=AnonymousCredentials())
+    if client.lookup_bucket("gcs-models") is None:
+        client.create_bucket("gcs-models")
+    with oauth_token_server(service_logs) as token_uri:
+        extra = {"keyfile_dict": authorized_user_keyfile(token_uri), "storage_emulator_host": gcs_endpoint, "project": "test"}
+        monkeypatch.setenv("AIRFLOW_CONN_GCS_UP", json.dumps({"conn_type": "google_cloud_platform", "extra": extra}))
+        yield "gcs_up"
+
+
+def test_upload_to_gcs(ray_conn, smollm2, gcs_conn):
+    result, _ = upload(smollm2, "gs://gcs-models/smol", task="gcs", gcp_conn_id=gcs_conn)
     assert result["skipped"] is False and result["uploaded_files"] == result["file_count"]
-    again, _ = upload(smollm2, "gs://gcs-models/smol", task="gcs_again", gcp_conn_id="gcs_up")
+    again, _ = upload(smollm2, "gs://gcs-models/smol", task="gcs_again", gcp_conn_id=gcs_conn)
     assert again["skipped"] is True
 
 
-def test_upload_then_infer_from_the_bucket_matches_the_local_folder(ray_conn, airflow_db, smollm2, s3):
+def test_upload_then_infer_from_the_bucket_matches_the_local_folder(ray_conn, airflow_db, smollm2, s3, local_answers):
     date = utc(2026, 10, 1)
     dag = load_dag("dags_examples", "example_model_upload", "example_model_upload")
     conf = {"model_source": str(smollm2), "bucket_uri": "s3://models/chain", "max_tokens": 24}
@@ -124,13 +152,25 @@ def test_upload_then_infer_from_the_bucket_matches_the_local_folder(ray_conn, ai
     assert task_state(dag_run, "upload") == "success" and task_state(dag_run, "answer") == "success"
     from_bucket = xcom(dag.dag_id, dag_run.run_id, "answer", "return_value")
     assert from_bucket["model"] == "s3://models/chain"
-
-    local_dag = load_dag("dags_examples", "example_vllm_batch", "example_vllm_batch")
-    local_run = local_dag.test(logical_date=date, run_after=date, run_conf={"model_source": str(smollm2), "max_tokens": 24})
-    local = xcom(local_dag.dag_id, local_run.run_id, "answer", "return_value")
     bucket_answers = {r["id"]: r["response"] for r in read_rows(from_bucket["output_files"])}
-    local_answers = {r["id"]: r["response"] for r in read_rows(local["output_files"])}
     assert len(bucket_answers) == 16 and bucket_answers == local_answers
+
+
+def test_infer_from_gcs_matches_the_local_folder(ray_conn, smollm2, gcs_conn, local_answers, tmp_path):
+    """gs:// weights: Ray's loader reads them with pyarrow's GCS client using the connection's keyfile."""
+    from airflow_provider_rayllm.local.defaults import DEMO_INPUT
+    from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
+
+    # The same destination as test_upload_to_gcs: skipped when that test ran first, uploaded otherwise.
+    uploaded, _ = upload(smollm2, "gs://gcs-models/smol", task="gcs_chain", gcp_conn_id=gcs_conn)
+    op = VLLMBatchOperator(
+        task_id="answer_gcs", model_source=uploaded["output_uri"], input_uri=str(DEMO_INPUT),
+        output_uri=str(tmp_path / "out"), gcp_conn_id=gcs_conn, deferrable=False, poll_interval=1.0, **QUICKSTART,
+    )
+    manifest = op.execute({"ti": StandInTI("upload_tests", "manual__gcs_chain", "answer_gcs")})
+    assert manifest["model"] == "gs://gcs-models/smol"
+    answers = {r["id"]: r["response"] for r in read_rows(manifest["output_files"])}
+    assert len(answers) == 16 and answers == local_answers
 
 
 def test_missing_bucket_is_a_clear_failure_and_nothing_is_reported_uploaded(ray_conn, smollm2, s3):

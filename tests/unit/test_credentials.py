@@ -85,4 +85,7 @@ def test_secrets_file_loads_into_env_and_keyfile_becomes_private_file(tmp_path, 
     key_file = os.environ["GOOGLE_APPLICATION_CREDENTIALS"]
     assert json.loads(open(key_file).read()) == {"k": 1}
     assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    assert os.path.dirname(key_file) == str(tmp_path), "the key stays with the job's package, not in /tmp"
+    load_into_env(str(tmp_path))  # a second worker of the same job: same file, still whole
+    assert json.loads(open(key_file).read()) == {"k": 1} and len(list(tmp_path.iterdir())) == 2
     assert scrub("failed with key zzz9", ["zzz9"]) == "failed with key ***"

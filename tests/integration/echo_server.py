@@ -1,0 +1,44 @@
+"""An OpenAI-style chat endpoint that answers every request after DELAY seconds.
+
+Run as `python echo_server.py PORT DELAY`. GET /stats returns how many requests each prompt got, so a
+test can tell a re-sent request (fine) from a duplicated output row (not fine). POST /fail {"status": 400}
+makes every later request fail with that status until POST /fail {"status": 0}.
+"""
+
+import asyncio
+import collections
+import sys
+
+from aiohttp import web
+
+PORT, DELAY = int(sys.argv[1]), float(sys.argv[2])
+REQUESTS: collections.Counter = collections.Counter()
+FAIL = {"status": 0}
+
+
+async def chat(request: web.Request) -> web.Response:
+    body = await request.json()
+    text = body["messages"][-1]["content"]
+    REQUESTS[text] += 1
+    await asyncio.sleep(DELAY)
+    if FAIL["status"]:
+        return web.json_response({"error": {"message": "refused by the test"}}, status=FAIL["status"])
+    return web.json_response(
+        {"choices": [{"message": {"content": f"echo: {text}"}}], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}
+    )
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response({"requests": dict(REQUESTS), "total": sum(REQUESTS.values())})
+
+
+async def fail(request: web.Request) -> web.Response:
+    FAIL["status"] = int((await request.json())["status"])
+    return web.json_response(FAIL)
+
+
+app = web.Application()
+app.router.add_post("/fail", fail)
+app.router.add_post("/v1/chat/completions", chat)
+app.router.add_get("/stats", stats)
+web.run_app(app, host="127.0.0.1", port=PORT, print=None)
