@@ -63,6 +63,8 @@ def _check_uri(field: str, uri: str) -> str:
             f"{field} {uri!r} has scheme {scheme!r}; allowed: local paths, "
             + ", ".join(f"{s}://" for s in URI_SCHEMES)
         )
+    if scheme not in ("file",) and not uri.split("://", 1)[1].split("/", 1)[0]:
+        raise ValueError(f"{field} {uri!r} names no bucket (expected {scheme}://<bucket>/<path>)")
     return uri
 
 
@@ -261,10 +263,13 @@ class VLLMProcessorSpec(_Strict):
     @model_validator(mode="after")
     def _placement(self) -> VLLMProcessorSpec:
         pg = self.placement_group_config
-        tp = int(self.engine_kwargs.get("tensor_parallel_size", 1) or 1)
-        pp = int(self.engine_kwargs.get("pipeline_parallel_size", 1) or 1)
-        if tp < 1 or pp < 1:
-            raise ValueError(f"engine_kwargs tensor_parallel_size={tp!r} and pipeline_parallel_size={pp!r} must be >= 1")
+        sizes = {}
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = self.engine_kwargs.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"engine_kwargs {key}={value!r} must be a whole number >= 1")
+            sizes[key] = value
+        tp, pp = sizes["tensor_parallel_size"], sizes["pipeline_parallel_size"]
         if pg is None:
             return self
         allowed = {"bundles", "bundle_per_worker", "strategy"}
