@@ -1,4 +1,4 @@
-"""`python -m airflow_provider_rayllm.local start|stop|status|conn|demo|models`."""
+"""`python -m airflow_provider_rayllm.local start|stop|restart|status|conn|demo|models`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from airflow_provider_rayllm.local.cluster import DEFAULT_STATE_DIR, LocalRayClu
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m airflow_provider_rayllm.local")
-    parser.add_argument("command", choices=["start", "stop", "status", "conn", "demo", "models"])
+    parser.add_argument("command", choices=["start", "stop", "restart", "status", "conn", "demo", "models"])
     parser.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR))
     parser.add_argument("--num-cpus", type=int, default=None)
     parser.add_argument("--output-base", default=None, help="for `conn`: the default output prefix")
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         print("Airflow connection: export AIRFLOW_CONN_RAY_DEFAULT=\"$(python -m airflow_provider_rayllm.local conn)\"")
     elif args.command == "stop":
         cluster.stop()
+    elif args.command == "restart":
+        info = cluster.restart()
+        print(f"restarted: Ray Jobs API {info.dashboard_url} (same address and token; running jobs are lost)")
     elif args.command == "status":
         info = cluster.info()
         print(json.dumps(info.__dict__ if info else None, indent=2))

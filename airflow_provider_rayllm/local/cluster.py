@@ -42,6 +42,7 @@ class ClusterInfo:
     token_file: str
     temp_dir: str
     num_cpus: int
+    ports: list[int] | None = None  # gcs, dashboard, agent http, agent grpc, runtime env agent, metrics, client
 
     @property
     def token(self) -> str:
@@ -90,15 +91,16 @@ class LocalRayCluster:
         candidate = Path(sys.executable).with_name("ray")
         return str(candidate) if candidate.exists() else shutil.which("ray") or "ray"
 
-    def start(self, timeout: float = 120.0) -> ClusterInfo:
+    def start(self, timeout: float = 120.0, _ports: list[int] | None = None) -> ClusterInfo:
         existing = self.info()
         if existing is not None and self._healthy(existing):
             return existing
         self.state_dir.mkdir(parents=True, exist_ok=True)
         token_file = self.state_dir / "auth_token"
-        token_file.write_text(secrets.token_hex(32))
+        if _ports is None or not token_file.exists():
+            token_file.write_text(secrets.token_hex(32))
         token_file.chmod(0o600)
-        ports = _free_ports(7)
+        ports = list(_ports) if _ports else _free_ports(7)
         gcs, dash, agent_http, agent_grpc, runtime_env_agent, metrics, client = ports
         # Ray's session folder path must stay short (unix socket paths are limited to 107 bytes).
         temp_dir = Path("/tmp") / f"rayllm-{gcs}"
@@ -131,6 +133,7 @@ class LocalRayCluster:
             token_file=str(token_file),
             temp_dir=str(temp_dir),
             num_cpus=self.num_cpus,
+            ports=ports,
         )
         self.info_file.write_text(json.dumps(asdict(info), indent=2))
         deadline = time.time() + timeout
@@ -139,6 +142,24 @@ class LocalRayCluster:
                 return info
             time.sleep(1)
         raise RuntimeError(f"the Jobs API at {info.dashboard_url} did not answer within {timeout:.0f} s")
+
+    def restart(self, timeout: float = 120.0) -> ClusterInfo:
+        """Stop the head and start a fresh one on the same ports with the same token.
+
+        Clients keep their address and token; everything the old head knew (jobs, actors, objects) is gone.
+        """
+        info = self.info()
+        if info is None or not info.ports:
+            raise RuntimeError(f"no running cluster with known ports in {self.state_dir}")
+        self.stop()
+        deadline = time.time() + timeout
+        while True:  # the old processes' sockets must be released before `ray start` binds them again
+            try:
+                return self.start(timeout=max(10.0, deadline - time.time()), _ports=info.ports)
+            except RuntimeError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(2)
 
     @staticmethod
     def _healthy(info: ClusterInfo) -> bool:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator, conf
 
 from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayLLMError
-from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, RayJobHook
+from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, RayAuthError, RayJobHook
 from airflow_provider_rayllm.job.secrets import SECRETS_FILE, SETUP_HOOK
 from airflow_provider_rayllm.job.sql import SINK_SQL_URI_ENV, SQL_URI_ENV
 from airflow_provider_rayllm.operators import credentials
@@ -97,6 +97,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
         max_rows: int | None = None,
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         poll_interval: float = 5.0,
+        unreachable_timeout: float = 600.0,
         job_runtime_env: dict[str, Any] | None = None,
         ship_package: bool = True,
         aws_conn_id: str | None = None,
@@ -114,6 +115,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
         self.max_rows = max_rows
         self.deferrable = deferrable
         self.poll_interval = poll_interval
+        self.unreachable_timeout = unreachable_timeout
         self.job_runtime_env = job_runtime_env
         self.ship_package = ship_package
         self.aws_conn_id = aws_conn_id
@@ -275,7 +277,10 @@ class RayLLMBatchBaseOperator(BaseOperator):
         if self.deferrable:
             self.defer(
                 trigger=RayJobTrigger(
-                    submission_id=submission_id, ray_conn_id=self.ray_conn_id, poll_interval=self.poll_interval
+                    submission_id=submission_id,
+                    ray_conn_id=self.ray_conn_id,
+                    poll_interval=self.poll_interval,
+                    unreachable_timeout=self.unreachable_timeout,
                 ),
                 method_name="execute_complete",
             )
@@ -285,8 +290,20 @@ class RayLLMBatchBaseOperator(BaseOperator):
     def _wait_with_logs(self, submission_id: str) -> tuple[str, str]:
         """Poll the job and copy its new log lines into the task log."""
         printed = 0
+        last_answer = time.monotonic()
         while True:
-            info = self.hook.get_job_info(submission_id)
+            try:
+                info = self.hook.get_job_info(submission_id)
+                last_answer = time.monotonic()
+            except RayAuthError:
+                raise
+            except Exception as exc:  # the dashboard may be restarting: keep waiting, within a limit
+                silent = time.monotonic() - last_answer
+                if silent > self.unreachable_timeout:
+                    return "ERROR", f"the Ray Jobs API did not answer for {silent:.0f} s while waiting for {submission_id!r}: {exc}"
+                self.log.warning("Ray Jobs API unreachable (%.0f s): %s; retrying", silent, exc)
+                time.sleep(self.poll_interval)
+                continue
             if info is None:
                 return "LOST", f"job lost: the Ray cluster no longer knows {submission_id!r}"
             try:
@@ -391,6 +408,18 @@ class RayLLMBatchBaseOperator(BaseOperator):
                 f"the manifest at {output_uri} belongs to {manifest.get('submission_id')!r}, not {submission_id!r}"
             )
         return manifest
+
+    def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Context) -> Any:
+        """A deferred task that Airflow resumes only to fail it (execution_timeout reached while deferred,
+        or the trigger crashed) stops its Ray job first: the triggerer does not call on_kill for a timeout."""
+        if next_method == "__fail__":
+            ti = context["ti"]
+            submission_id = ti.xcom_pull(task_ids=ti.task_id, key="submission_id", map_indexes=ti.map_index)
+            if submission_id:
+                self._submission_id = str(submission_id)
+                self.log.error("The deferred wait ended without the job's result (%s)", (next_kwargs or {}).get("error"))
+                self.on_kill()
+        return super().resume_execution(next_method, next_kwargs, context)
 
     def on_kill(self) -> None:
         if self._submission_id:

@@ -84,3 +84,28 @@ with DAG(
         max_error_fraction=0.1,
         poll_interval=1.0,
     )
+
+
+# Deferred, reaching the Ray cluster through the `ray_proxy` connection (a relay the test can cut).
+with DAG(
+    dag_id="rayllm_it_http_proxy",
+    start_date=datetime(2026, 1, 1),
+    schedule=None,
+    params=PARAMS,
+    render_template_as_native_obj=True,
+) as rayllm_it_http_proxy:
+    HttpLLMBatchOperator(
+        task_id="call",
+        ray_conn_id="ray_proxy",
+        http_conn_id="llm_rel",
+        model="echo",
+        input_uri="{{ params.input_uri }}",
+        output_uri="{{ params.output_uri or None }}",
+        prompt_column="prompt",
+        sampling_params={"max_tokens": 8},
+        batch_size=8,
+        max_in_flight=2,
+        deferrable=True,
+        poll_interval=1.0,
+        unreachable_timeout=120,
+    )

@@ -73,6 +73,9 @@ class StandInTI:
     def xcom_push(self, key: str, value: Any) -> None:
         self.xcom[key] = value
 
+    def xcom_pull(self, task_ids: str | None = None, key: str = "return_value", **_: Any) -> Any:
+        return self.xcom.get(key)
+
 
 def load_dag(folder: str, file_name: str, dag_id: str) -> Any:
     """A fresh DAG object from its file, as a worker parses it for each task run.
@@ -88,3 +91,50 @@ def load_dag(folder: str, file_name: str, dag_id: str) -> Any:
     assert spec.loader is not None
     spec.loader.exec_module(module)
     return next(v for v in vars(module).values() if getattr(v, "dag_id", None) == dag_id and hasattr(v, "test"))
+
+
+FIGURES_FILE = Path(__file__).resolve().parents[2] / "build" / "reliability-figures.json"
+
+
+def record_figure(scenario: str, **figures: Any) -> None:
+    """Keep what a fault-injection test measured (docs/RELIABILITY.md quotes these) in build/."""
+    FIGURES_FILE.parent.mkdir(parents=True, exist_ok=True)
+    current = json.loads(FIGURES_FILE.read_text()) if FIGURES_FILE.exists() else {}
+    current[scenario] = {**figures, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    FIGURES_FILE.write_text(json.dumps(current, indent=2, sort_keys=True))
+
+
+def run_in_thread(op: Any, ti: Any) -> tuple[Any, dict[str, Any]]:
+    """Start op.execute() as a worker would (non-deferred); the dict gets 'result' or 'error'."""
+    import threading
+
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = op.execute({"ti": ti})
+        except BaseException as exc:  # noqa: BLE001 - the test inspects whatever ended the task
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.2) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def cpus_in_use(info: Any) -> tuple[float, float]:
+    """(CPUs in use, CPUs in all) on the cluster, as its autoscaler report counts them."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{info.dashboard_url}/api/cluster_status", headers={"Authorization": f"Bearer {info.token}"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        usage = json.loads(resp.read())["data"]["clusterStatus"]["loadMetricsReport"]["usage"]
+    used, total = usage["CPU"]
+    return float(used), float(total)

@@ -1,0 +1,317 @@
+"""Fault injection on the local stack: a worker killed mid-job, the Ray head restarted mid-job, the Jobs
+API unreachable for 20 s while a deferred task waits. The batch calls a slow local chat endpoint (the
+HTTP operator), so each scenario runs a real Ray job for tens of seconds without starting an engine.
+
+Each test keeps its figures in build/reliability-figures.json; docs/RELIABILITY.md quotes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from tests.integration.helpers import (
+    StandInTI,
+    load_dag,
+    read_rows,
+    record_figure,
+    run_in_thread,
+    task_state,
+    utc,
+    wait_for,
+    write_jsonl,
+    xcom,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _stats(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/stats", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.fixture()
+def echo(service_logs, monkeypatch):
+    """A chat endpoint answering each request after 0.5 s, reachable as the `llm_rel` connection."""
+    from tests.integration.services import echo_server
+
+    with echo_server(0.5, service_logs) as url:
+        monkeypatch.setenv("AIRFLOW_CONN_LLM_REL", json.dumps({"conn_type": "http", "host": f"{url}/v1"}))
+        yield url
+
+
+def _http_op(task_id: str, input_uri: str, output_uri: str, **kw):
+    from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
+
+    settings = dict(
+        task_id=task_id, http_conn_id="llm_rel", model="echo", input_uri=input_uri, output_uri=output_uri,
+        prompt_column="prompt", sampling_params={"max_tokens": 8}, batch_size=8, max_in_flight=4,
+        deferrable=False, poll_interval=0.5,
+    )
+    settings.update(kw)
+    return HttpLLMBatchOperator(**settings)
+
+
+def _rows(test_home, name: str, n: int) -> str:
+    return write_jsonl(test_home / "inputs" / f"{name}.jsonl", [{"id": i, "prompt": f"{name} row {i}"} for i in range(n)])
+
+
+def _pipeline_workers() -> list[psutil.Process]:
+    """The Ray worker processes of the HTTP stage (Ray Data names its map actors after the callable)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info.get("cmdline") or [])
+        if "HttpCaller" in cmdline:
+            found.append(proc)
+    return found
+
+
+def test_a_killed_pipeline_worker_costs_time_not_rows(ray_conn, echo, test_home):
+    n = 96
+    op = _http_op("worker_death", _rows(test_home, "death", n), str(test_home / "out" / "death"))
+    ti = StandInTI("reliability", "manual__worker_death", "worker_death")
+    started = time.time()
+    thread, outcome = run_in_thread(op, ti)
+    wait_for(lambda: _stats(echo)["total"] >= n // 4 or not thread.is_alive(), 180, "a quarter of the rows to be sent")
+    victims = _pipeline_workers()
+    assert victims, "no HttpCaller worker process found while the job was sending requests"
+    for proc in victims:
+        os.kill(proc.pid, signal.SIGKILL)
+    killed_at = _stats(echo)["total"]
+    thread.join(timeout=300)
+    assert "error" not in outcome, f"the job did not survive the worker's death: {outcome.get('error')}"
+    manifest = outcome["result"]
+    out = read_rows(manifest["output_files"])
+    ids = [r["id"] for r in out]
+    sent = _stats(echo)
+    assert sorted(ids) == list(range(n)), "output ids must be complete and unique"
+    assert all(r["response"] == f"echo: death row {r['id']}" for r in out)
+    assert manifest["rows_out"] == n and manifest["rows_errored"] == 0
+    record_figure(
+        "worker_death",
+        rows=n, workers_killed=len(victims), requests_sent_before_kill=killed_at, requests_total=sent["total"],
+        rows_lost=n - len(set(ids)), duplicate_rows=len(ids) - len(set(ids)), seconds=round(time.time() - started, 1),
+    )
+
+
+@pytest.fixture()
+def restartable_cluster(test_home, monkeypatch):
+    """A second local head of our own, so restarting it leaves the session's cluster alone."""
+    from airflow_provider_rayllm.local.cluster import LocalRayCluster
+
+    cluster = LocalRayCluster(state_dir=test_home / "ray-restart", num_cpus=2)
+    info = cluster.start()
+    monkeypatch.setenv("AIRFLOW_CONN_RAY_RESTART", info.airflow_conn_uri())
+    yield cluster
+    cluster.stop()
+
+
+def test_a_restarted_head_is_job_lost_and_the_retry_runs_a_new_job(restartable_cluster, echo, test_home):
+    from airflow_provider_rayllm.exceptions import RayJobLost
+
+    n = 80
+    output_uri = str(test_home / "out" / "lost")
+    input_uri = _rows(test_home, "lost", n)
+    op = _http_op("lost", input_uri, output_uri, ray_conn_id="ray_restart")
+    ti = StandInTI("reliability", "manual__lost", "lost")
+    thread, outcome = run_in_thread(op, ti)
+    wait_for(lambda: _stats(echo)["total"] >= 8 or not thread.is_alive(), 180, "the job to start sending")
+    first_sid = ti.xcom["submission_id"]
+    restarted = time.time()
+    restartable_cluster.restart()
+    back_after = time.time() - restarted
+    thread.join(timeout=120)
+    seconds_to_fail = time.time() - restarted
+    error = outcome.get("error")
+    assert isinstance(error, RayJobLost) and "job lost" in str(error), f"expected a lost job, got {outcome}"
+    assert not (test_home / "out" / "lost" / "_manifest.json").exists()
+
+    # Airflow's retry: the same task instance, next try. The cluster forgot the old job, so it is submitted anew.
+    retry_ti = StandInTI("reliability", "manual__lost", "lost", try_number=2)
+    manifest = _http_op("lost", input_uri, output_uri, ray_conn_id="ray_restart").execute({"ti": retry_ti})
+    ids = sorted(r["id"] for r in read_rows(manifest["output_files"]))
+    assert ids == list(range(n)) and manifest["rows_out"] == n
+    record_figure(
+        "lost_cluster",
+        head_restart_seconds=round(back_after, 1), seconds_from_restart_to_task_failure=round(seconds_to_fail, 1),
+        error=str(error)[:160], retry_submission_id=retry_ti.xcom["submission_id"], first_submission_id=first_sid,
+        retry_rows_out=manifest["rows_out"], rows_lost=n - len(set(ids)), duplicate_rows=len(ids) - len(set(ids)),
+    )
+
+
+def test_a_20_second_dashboard_outage_is_waited_out_by_the_deferred_task(ray_conn, airflow_db, echo, test_home, monkeypatch):
+    import threading
+
+    from tests.integration.services import TcpProxy
+
+    info = ray_conn["info"]
+    host, port = info.dashboard_url.rsplit("//", 1)[1].split(":")
+    proxy = TcpProxy(host, int(port))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_RAY_PROXY", json.dumps({"conn_type": "ray", "host": proxy.url, "password": info.token})
+    )
+    n = 72
+    conf = {"input_uri": _rows(test_home, "outage", n), "output_uri": str(test_home / "out" / "outage")}
+    outage: dict = {}
+
+    def cut_when_busy() -> None:
+        try:
+            wait_for(lambda: _stats(echo)["total"] >= 4, 180, "the job to start sending")
+            proxy.down()
+            outage["start"] = time.time()
+            time.sleep(20)
+            proxy.up()
+            outage["seconds"] = time.time() - outage["start"]
+        except Exception as exc:  # reported by the assertions below
+            outage["error"] = exc
+
+    cutter = threading.Thread(target=cut_when_busy, daemon=True)
+    cutter.start()
+    try:
+        dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_http_proxy")
+        dag_run = dag.test(logical_date=utc(2026, 9, 3), run_after=utc(2026, 9, 3), run_conf=conf)
+    finally:
+        cutter.join(timeout=60)
+        proxy.close()
+    assert "error" not in outage and outage.get("seconds", 0) >= 20, outage
+    assert task_state(dag_run, "call") == "success"
+    manifest = xcom(dag.dag_id, dag_run.run_id, "call", "return_value")
+    assert manifest["rows_out"] == n and manifest["rows_errored"] == 0
+    # The job finished while the dashboard was out of reach only if it ended after the outage began.
+    record_figure(
+        "dashboard_outage",
+        outage_seconds=round(outage["seconds"], 1), task_state="success", rows_out=manifest["rows_out"],
+        job_wall_time_s=round(manifest["wall_time_s"], 1),
+    )
+
+
+@pytest.mark.parametrize("how", ["killed while deferred", "execution_timeout while deferred", "killed while polling"])
+def test_stopping_the_task_stops_the_job_and_frees_the_cluster(how, ray_conn, echo, test_home):
+    """Mark-failed on a deferred task reaches the trigger's on_kill; an execution_timeout while deferred
+    resumes the task only to fail it (the triggerer calls no on_kill then); a worker-side kill calls the
+    operator's on_kill. Each must leave the job STOPPED and the cluster's CPUs free."""
+    import asyncio
+
+    from airflow.sdk.exceptions import TaskDeferralTimeout, TaskDeferred
+    from airflow.triggers.base import TriggerFailureReason
+
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+    from tests.integration.helpers import cpus_in_use
+
+    hook = RayJobHook()
+    tag = how.split()[0] + ("_timeout" if "timeout" in how else "")
+    deferred = "deferred" in how
+    op = _http_op(f"stop_{tag}", _rows(test_home, f"stop_{tag}", 200), str(test_home / "out" / f"stop_{tag}"), deferrable=deferred)
+    ti = StandInTI("reliability", f"manual__stop_{tag}", f"stop_{tag}")
+    if deferred:
+        with pytest.raises(TaskDeferred) as deferral:
+            op.execute({"ti": ti})
+        trigger = deferral.value.trigger
+    else:
+        thread, outcome = run_in_thread(op, ti)
+        wait_for(lambda: "submission_id" in ti.xcom, 60, "the submission")
+    sid = ti.xcom["submission_id"]
+    wait_for(lambda: _stats(echo)["total"] >= 8, 180, "the job to start sending")
+
+    stopped_at = time.time()
+    if how == "killed while deferred":
+        asyncio.run(trigger.on_kill())
+    elif how == "execution_timeout while deferred":
+        with pytest.raises(TaskDeferralTimeout):
+            op.resume_execution("__fail__", {"error": TriggerFailureReason.TRIGGER_TIMEOUT}, {"ti": ti})
+    else:
+        op.on_kill()
+    wait_for(lambda: hook.get_job_info(sid)["status"] == "STOPPED", 30, "the job to be STOPPED")
+    seconds_to_stopped = time.time() - stopped_at
+    wait_for(lambda: cpus_in_use(ray_conn["info"])[0] == 0, 60, "the cluster's CPUs to be free", interval=0.5)
+    seconds_to_free = time.time() - stopped_at
+    if not deferred:
+        thread.join(timeout=60)
+        assert "ended STOPPED" in str(outcome.get("error"))
+    assert seconds_to_stopped < 10
+    sent = _stats(echo)["total"]
+    time.sleep(2)
+    assert _stats(echo)["total"] == sent, "a stopped job must not go on calling the endpoint"
+    record_figure(
+        f"stop: {how}", seconds_to_stopped=round(seconds_to_stopped, 1), seconds_until_cpus_free=round(seconds_to_free, 1),
+        cpus_in_use_after=cpus_in_use(ray_conn["info"])[0],
+    )
+
+
+def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generation(ray_conn, echo, test_home):
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from airflow_provider_rayllm.exceptions import RayJobFailed
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+    from tests.integration.helpers import jobs_with_prefix
+
+    hook = RayJobHook()
+    n = 24
+    input_uri, output_uri = _rows(test_home, "retry", n), test_home / "out" / "retry"
+
+    # Try 1 submits, defers, and its worker dies before the trigger runs: nobody waits for the job.
+    with pytest.raises(TaskDeferred):
+        _http_op("retry", input_uri, str(output_uri), deferrable=True).execute({"ti": StandInTI("reliability", "manual__retry", "retry")})
+    # Try 2 (same task instance, next try) finds the job still running and waits for it instead of submitting.
+    ti2 = StandInTI("reliability", "manual__retry", "retry", try_number=2)
+    first = _http_op("retry", input_uri, str(output_uri)).execute({"ti": ti2})
+    base_id = first["submission_id"].rsplit("-g", 1)[0]
+    assert first["submission_id"].endswith("-g0")
+    assert [j["submission_id"] for j in jobs_with_prefix(hook, base_id)] == [first["submission_id"]]
+
+    # A different run of the same task: the endpoint fails every row, so try 1's job fails after writing
+    # its error rows into its generation folder; try 2 (endpoint healthy again) is a new generation.
+    failing = dict(max_error_fraction=0.0, max_retries=0)
+    post = urllib.request.Request(f"{echo}/fail", data=json.dumps({"status": 400}).encode(), headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(post, timeout=10).read()
+    with pytest.raises(RayJobFailed, match="error"):
+        _http_op("retry", input_uri, str(output_uri / "second"), **failing).execute(
+            {"ti": StandInTI("reliability", "manual__retry2", "retry")}
+        )
+    failed_generation = output_uri / "second" / "_generations"
+    partial = sorted(p.name for p in failed_generation.iterdir()) if failed_generation.exists() else []
+    assert not (output_uri / "second" / "manifest.json").exists(), "a failed generation must not be published"
+    post = urllib.request.Request(f"{echo}/fail", data=json.dumps({"status": 0}).encode(), headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(post, timeout=10).read()
+    retried = _http_op("retry", input_uri, str(output_uri / "second"), **failing).execute(
+        {"ti": StandInTI("reliability", "manual__retry2", "retry", try_number=2)}
+    )
+    assert retried["submission_id"].endswith("-g1") and retried["rows_out"] == n and retried["rows_errored"] == 0
+    published = json.loads((output_uri / "second" / "manifest.json").read_text())
+    assert published["submission_id"] == retried["submission_id"]
+    assert sorted(p.name for p in failed_generation.iterdir()) == [retried["submission_id"]]
+    ids = [r["id"] for r in read_rows(retried["output_files"])]
+    assert sorted(ids) == list(range(n))
+    record_figure(
+        "retry_and_reattach", jobs_for_crashed_then_retried_try=1, failed_generation_partial_folders=partial,
+        published_generation=retried["submission_id"], rows_lost=n - len(set(ids)), duplicate_rows=len(ids) - len(set(ids)),
+    )
+
+
+@pytest.mark.parametrize("token", ["wrong-token", None], ids=["wrong token", "no token"])
+def test_a_bad_ray_token_fails_fast_without_a_retry_loop(token, ray_conn, test_home, monkeypatch):
+    from airflow_provider_rayllm.hooks.ray_job import RayAuthError
+
+    info = ray_conn["info"]
+    conn = {"conn_type": "ray", "host": info.dashboard_url}
+    if token:
+        conn["password"] = token
+    monkeypatch.setenv("AIRFLOW_CONN_RAY_BADTOKEN", json.dumps(conn))
+    monkeypatch.setenv("AIRFLOW_CONN_LLM_REL", json.dumps({"conn_type": "http", "host": "http://127.0.0.1:9/v1"}))
+    op = _http_op("auth", _rows(test_home, "auth", 2), str(test_home / "out" / "auth"), ray_conn_id="ray_badtoken")
+    started = time.time()
+    with pytest.raises(RayAuthError) as failure:
+        op.execute({"ti": StandInTI("reliability", f"manual__auth_{token}", "auth")})
+    seconds = time.time() - started
+    message = str(failure.value)
+    assert ("401" in message or "403" in message) and info.dashboard_url in message
+    assert token is None or token not in message
+    assert seconds < 10
+    record_figure(f"auth: {'wrong' if token else 'no'} token", seconds_to_fail=round(seconds, 2), error=message[:200])
