@@ -340,7 +340,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
 
     def _finish(self, context: Context, submission_id: str, status: str, message: str) -> dict[str, Any]:
         if status == "LOST":
-            raise RayJobLost(f"{message}; a retry submits a new generation")
+            raise RayJobLost(f"{message}; a retry of this task submits the job again")
         if status != "SUCCEEDED":
             error, tail = self._job_error_line(submission_id)
             if tail:

@@ -200,7 +200,7 @@ def test_stopping_the_task_stops_the_job_and_frees_the_cluster(how, ray_conn, ec
     import asyncio
 
     from airflow.sdk.exceptions import TaskDeferralTimeout, TaskDeferred
-    from airflow.triggers.base import TriggerFailureReason
+    from airflow.sdk.bases.operator import TriggerFailureReason
 
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
     from tests.integration.helpers import cpus_in_use
@@ -315,3 +315,21 @@ def test_a_bad_ray_token_fails_fast_without_a_retry_loop(token, ray_conn, test_h
     assert token is None or token not in message
     assert seconds < 10
     record_figure(f"auth: {'wrong' if token else 'no'} token", seconds_to_fail=round(seconds, 2), error=message[:200])
+
+
+def test_shell_metacharacters_in_templates_and_data_execute_nothing(ray_conn, echo, test_home):
+    marks = [test_home / f"injected-{i}" for i in range(3)]
+    rows = [{"id": 0, "prompt": f"$(touch {marks[2]})"}]
+    input_uri = write_jsonl(test_home / "inputs" / "inject.jsonl", rows)
+    template = "{prompt} $(touch " + str(marks[0]) + "); `touch " + str(marks[1]) + "`; echo 'x' \"y\" | cat"
+    op = _http_op(
+        "inject", input_uri, str(test_home / "out" / "inject"), prompt_column=None, prompt_template=template,
+        system_prompt="$(id)",
+    )
+    manifest = op.execute({"ti": StandInTI("reliability", "manual__inject; rm -rf /", "inject")})
+    sent = list(_stats(echo)["requests"])
+    expected = template.replace("{prompt}", rows[0]["prompt"])
+    assert expected in sent, "the endpoint must receive the text as written"
+    assert not any(m.exists() for m in marks), "a shell ran something from a template, the data or the run id"
+    assert manifest["rows_out"] == 1
+    record_figure("injection", shell_payloads_tried=4, executed=sum(m.exists() for m in marks))
