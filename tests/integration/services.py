@@ -102,13 +102,13 @@ def oauth_token_server(log_dir: Path) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}/token"
 
 
-def authorized_user_keyfile(token_uri: str) -> dict[str, str]:
+def authorized_user_keyfile(token_uri: str, revoked: bool = False) -> dict[str, str]:
     """Google `authorized_user` credentials whose token comes from the local token endpoint."""
     return {
         "type": "authorized_user",
         "client_id": "rayllm-tests",
         "client_secret": "local-client-secret",
-        "refresh_token": "local-refresh-token",
+        "refresh_token": "revoked-refresh-token" if revoked else "local-refresh-token",
         "token_uri": token_uri,
     }
 

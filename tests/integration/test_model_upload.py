@@ -180,3 +180,18 @@ def test_missing_bucket_is_a_clear_failure_and_nothing_is_reported_uploaded(ray_
         upload(smollm2, "s3://no-such-bucket/smol", task="nobucket", aws_conn_id="aws_default")
     message = str(failure.value)
     assert "no-such-bucket" in message and "ended FAILED" in message
+
+
+def test_revoked_gcs_credentials_are_a_clear_failure(ray_conn, smollm2, gcs_endpoint, service_logs, monkeypatch):
+    from airflow_provider_rayllm.exceptions import RayJobFailed
+    from tests.integration.services import authorized_user_keyfile, oauth_token_server
+
+    with oauth_token_server(service_logs) as token_uri:
+        extra = {"keyfile_dict": authorized_user_keyfile(token_uri, revoked=True), "storage_emulator_host": gcs_endpoint, "project": "test"}
+        monkeypatch.setenv("AIRFLOW_CONN_GCS_REVOKED", json.dumps({"conn_type": "google_cloud_platform", "extra": extra}))
+        with pytest.raises(RayJobFailed) as failure:
+            upload(smollm2, "gs://gcs-models/revoked", task="revoked", gcp_conn_id="gcs_revoked")
+    message = str(failure.value)
+    assert "ended FAILED" in message and "gs://gcs-models/revoked" in message
+    assert "OAuth2 access token" in message or "invalid_grant" in message, message
+    assert "revoked-refresh-token" not in message and "local-client-secret" not in message
