@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -92,6 +93,38 @@ def _check_auth(status: int, body: str, address: str) -> None:
             f"the Ray Jobs API at {address} answered {status}: the auth token is {word}. Set the Ray auth "
             f"token as the password of the `ray` connection. Server said: {body[:200]}"
         )
+
+
+def lost_message(submission_id: str) -> str:
+    return f"job lost: the Ray cluster no longer knows {submission_id!r} (was the head restarted?)"
+
+
+class OutageClock:
+    """While waiting for a job: how long the Jobs API has gone without answering.
+
+    ``answered()`` after each answer; ``failed(exc)`` after each error returns None to keep waiting, or
+    the message to end the wait with once ``limit_s`` seconds passed without an answer. An auth error
+    is never waited out: it is raised at once.
+    """
+
+    def __init__(self, submission_id: str, limit_s: float):
+        self.submission_id = submission_id
+        self.limit_s = limit_s
+        self.last_answer = time.monotonic()
+
+    def answered(self) -> None:
+        self.last_answer = time.monotonic()
+
+    @property
+    def silent_s(self) -> float:
+        return time.monotonic() - self.last_answer
+
+    def failed(self, exc: Exception) -> str | None:
+        if isinstance(exc, RayAuthError):
+            raise exc
+        if self.silent_s > self.limit_s:
+            return f"the Ray Jobs API did not answer for {self.silent_s:.0f} s while waiting for {self.submission_id!r}: {exc}"
+        return None
 
 
 class RayJobHook(BaseHook):

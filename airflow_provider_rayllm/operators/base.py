@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator, conf
 
 from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayLLMError
-from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, RayAuthError, RayJobHook
+from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, OutageClock, RayJobHook, lost_message
 from airflow_provider_rayllm.job.secrets import SECRETS_FILE, SETUP_HOOK
 from airflow_provider_rayllm.job.sql import SINK_SQL_URI_ENV, SQL_URI_ENV
 from airflow_provider_rayllm.operators import credentials
@@ -290,22 +290,20 @@ class RayLLMBatchBaseOperator(BaseOperator):
     def _wait_with_logs(self, submission_id: str) -> tuple[str, str]:
         """Poll the job and copy its new log lines into the task log."""
         printed = 0
-        last_answer = time.monotonic()
+        clock = OutageClock(submission_id, self.unreachable_timeout)
         while True:
             try:
                 info = self.hook.get_job_info(submission_id)
-                last_answer = time.monotonic()
-            except RayAuthError:
-                raise
+                clock.answered()
             except Exception as exc:  # the dashboard may be restarting: keep waiting, within a limit
-                silent = time.monotonic() - last_answer
-                if silent > self.unreachable_timeout:
-                    return "ERROR", f"the Ray Jobs API did not answer for {silent:.0f} s while waiting for {submission_id!r}: {exc}"
-                self.log.warning("Ray Jobs API unreachable (%.0f s): %s; retrying", silent, exc)
+                ended = clock.failed(exc)
+                if ended:
+                    return "ERROR", ended
+                self.log.warning("Ray Jobs API unreachable (%.0f s): %s; retrying", clock.silent_s, exc)
                 time.sleep(self.poll_interval)
                 continue
             if info is None:
-                return "LOST", f"job lost: the Ray cluster no longer knows {submission_id!r}"
+                return "LOST", lost_message(submission_id)
             try:
                 logs = self.hook.get_job_logs(submission_id)
             except Exception as exc:  # logs are a courtesy; status decides

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_provider_rayllm.hooks.ray_job import RayAuthError, RayJobHook, TERMINAL_STATES
+from airflow_provider_rayllm.hooks.ray_job import TERMINAL_STATES, OutageClock, RayJobHook, lost_message
 
 
 class RayJobTrigger(BaseTrigger):
@@ -52,32 +51,22 @@ class RayJobTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
-        last_answer = time.monotonic()
+        clock = OutageClock(self.submission_id, self.unreachable_timeout)
         try:
             while True:
                 try:
                     info = await hook.aget_job_info(self.submission_id)
-                    last_answer = time.monotonic()
-                except RayAuthError:
-                    raise
+                    clock.answered()
                 except Exception as exc:  # the dashboard may be restarting: keep waiting, within a limit
-                    silent = time.monotonic() - last_answer
-                    if silent > self.unreachable_timeout:
-                        yield self._event(
-                            "ERROR",
-                            f"the Ray Jobs API did not answer for {silent:.0f} s while waiting for "
-                            f"{self.submission_id!r}: {exc}",
-                        )
+                    ended = clock.failed(exc)
+                    if ended:
+                        yield self._event("ERROR", ended)
                         return
-                    self.log.warning("Ray Jobs API unreachable (%.0f s): %s; retrying", silent, exc)
+                    self.log.warning("Ray Jobs API unreachable (%.0f s): %s; retrying", clock.silent_s, exc)
                     await asyncio.sleep(self.poll_interval)
                     continue
                 if info is None:
-                    yield self._event(
-                        "LOST",
-                        f"job lost: the Ray cluster no longer knows {self.submission_id!r} "
-                        "(was the head restarted?)",
-                    )
+                    yield self._event("LOST", lost_message(self.submission_id))
                     return
                 status = str(info.get("status"))
                 if status in TERMINAL_STATES:

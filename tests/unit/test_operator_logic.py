@@ -193,3 +193,39 @@ def test_provider_registers_the_ray_connection_type():
     assert hook.connection_id_attribute_name == "ray_conn_id"
     labels = pm.field_behaviours["ray"]["relabeling"]
     assert labels == {"host": "Ray dashboard URL", "password": "Ray auth token"}
+
+
+class FlakyJobsApi:
+    """A Jobs API that refuses connections for the first ``outage`` calls, then reports ``status``."""
+
+    def __init__(self, outage, status="SUCCEEDED", error=ConnectionError("connection refused")):
+        self.outage, self.status, self.error, self.calls = outage, status, error, 0
+
+    def get_job_info(self, sid):
+        self.calls += 1
+        if self.calls <= self.outage:
+            raise self.error
+        return {"status": self.status, "message": ""}
+
+    def get_job_logs(self, sid):
+        return ""
+
+
+def test_polling_waits_out_a_short_outage_and_gives_up_on_a_long_one():
+    from airflow_provider_rayllm.hooks.ray_job import RayAuthError
+
+    op = operator(poll_interval=0.01, unreachable_timeout=5)
+    op.__dict__["hook"] = api = FlakyJobsApi(outage=3)
+    assert op._wait_with_logs("S-g0") == ("SUCCEEDED", "")
+    assert api.calls == 4
+
+    impatient = operator(poll_interval=0.01, unreachable_timeout=0.05)
+    impatient.__dict__["hook"] = FlakyJobsApi(outage=10_000)
+    status, message = impatient._wait_with_logs("S-g0")
+    assert status == "ERROR" and "did not answer for" in message and "'S-g0'" in message
+
+    refused = operator(poll_interval=0.01, unreachable_timeout=5)
+    refused.__dict__["hook"] = api = FlakyJobsApi(outage=10_000, error=RayAuthError("answered 403"))
+    with pytest.raises(RayAuthError):
+        refused._wait_with_logs("S-g0")
+    assert api.calls == 1, "an auth error is not waited out"
