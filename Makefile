@@ -11,7 +11,7 @@ demo: setup
 	$(PY) -m airflow_provider_rayllm.local demo
 
 test: setup
-	$(PY) -m pytest tests -m "not gpu" -v -p no:cacheprovider --timeout=1800 -ra
+	$(PY) -m pytest tests -m "not gpu" -v -p no:cacheprovider --timeout=1800 -ra --durations=30
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -v -p no:cacheprovider
