@@ -157,6 +157,11 @@ class PromptSpec(_Strict):
     keep_columns: list[str] | None = Field(
         None, description="Input columns copied to the output; all input columns when omitted."
     )
+    id_column: str | None = Field(
+        None,
+        description="Column with a unique id per row. With it, finished rows are saved as they finish, and a "
+        "later attempt of the same run (after a stop or failure) skips them instead of recomputing.",
+    )
 
     @model_validator(mode="after")
     def _one_way(self) -> PromptSpec:
@@ -172,6 +177,11 @@ class PromptSpec(_Strict):
             )
         if self.system_prompt is not None and self.messages_column is not None:
             raise ValueError("prompt.system_prompt cannot be combined with messages_column (put it in the messages)")
+        if self.id_column is not None and self.keep_columns is not None and self.id_column not in self.keep_columns:
+            raise ValueError(
+                f"prompt.id_column {self.id_column!r} must be one of keep_columns {self.keep_columns!r} "
+                "(saved rows are matched by it)"
+            )
         return self
 
     def template_columns(self) -> list[str]:
@@ -193,7 +203,7 @@ class PromptSpec(_Strict):
 
     def required_columns(self) -> list[str]:
         cols = set(self.template_columns())
-        for name in (self.prompt_column, self.messages_column, self.lora_column):
+        for name in (self.prompt_column, self.messages_column, self.lora_column, self.id_column):
             if name:
                 cols.add(name)
         return sorted(cols)

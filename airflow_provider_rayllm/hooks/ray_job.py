@@ -185,6 +185,7 @@ class RayJobHook(BaseHook):
         metadata: dict[str, str] | None = None,
         entrypoint_num_cpus: float | None = None,
         entrypoint_memory: int | None = None,
+        entrypoint_resources: dict[str, float] | None = None,
     ) -> str:
         return self.client.submit_job(
             entrypoint=entrypoint,
@@ -193,6 +194,7 @@ class RayJobHook(BaseHook):
             metadata=metadata,
             entrypoint_num_cpus=entrypoint_num_cpus,
             entrypoint_memory=entrypoint_memory,
+            entrypoint_resources=entrypoint_resources,
         )
 
     def get_job_info(self, submission_id: str) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from airflow_provider_rayllm.job import io, manifest, secrets, sql, vllm_pipeline
+from airflow_provider_rayllm.job import checkpoint, io, manifest, secrets, sql, vllm_pipeline
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.prompts import (
     PRE_ERROR,
@@ -125,10 +125,17 @@ class VLLMPipeline:
             return LoraRouting(p.model_source, p.dynamic_lora_loading_path, p.lora_adapters)
         return None
 
-    def infer(self, good: Any) -> tuple[Any, Any]:
+    def infer(self, good: Any, checkpoint_uri: str | None) -> tuple[Any, Any]:
         processor = vllm_pipeline.build(self.p, self.profile, self.engine_kwargs, self.placement)
-        raw = processor(good).materialize()
         shaper = Shaper(self.spec, self.package_dir)
+        if checkpoint_uri:
+            # A block is saved when the engine stage emits it: blocks of one batch save every batch.
+            good = good.repartition(target_num_rows_per_block=self.p.batch_size)
+        raw = processor(good)
+        if checkpoint_uri:
+            stage = checkpoint.CheckpointStage(checkpoint_uri, shaper.output, lambda r: bool(r.get(ENGINE_ERROR)))
+            raw = raw.map_batches(stage, batch_format="numpy", batch_size=None, **LIGHT)
+        raw = raw.materialize()
         outputs = raw.filter(lambda r: not r.get(ENGINE_ERROR), **LIGHT).map(shaper.output, **LIGHT).materialize()
         errors = raw.filter(lambda r: bool(r.get(ENGINE_ERROR)), **LIGHT).map(lambda r: error_row(r, ENGINE_ERROR), **LIGHT)
         return outputs, errors
@@ -161,10 +168,10 @@ class HttpPipeline:
     def lora(self) -> None:
         return None
 
-    def infer(self, good: Any) -> tuple[Any, Any]:
+    def infer(self, good: Any, checkpoint_uri: str | None) -> tuple[Any, Any]:
         from airflow_provider_rayllm.job import http_pipeline
 
-        return http_pipeline.infer(good, self.http, self.spec.prompt.output_column, LIGHT)
+        return http_pipeline.infer(good, self.http, self.spec.prompt.output_column, LIGHT, checkpoint_uri)
 
     def details(self, input_tokens: int, output_tokens: int) -> dict[str, Any]:
         from airflow_provider_rayllm.job import http_pipeline
@@ -178,6 +185,54 @@ class HttpPipeline:
         import aiohttp
 
         return {"aiohttp": aiohttp.__version__}
+
+
+class Resume:
+    """Rows an earlier generation of this run finished (``prompt.id_column``), and where this one saves its own."""
+
+    def __init__(self, id_column: str, uri: str, saved: Any, earlier: list[str]):
+        self.id_column, self.uri, self.saved, self.earlier = id_column, uri, saved, earlier
+        self.saved_rows = saved.num_rows if saved is not None else 0
+
+    @classmethod
+    def open(cls, spec: JobSpec, submission_id: str, gen_uri: str) -> Resume | None:
+        id_column = spec.prompt.id_column
+        if not id_column:
+            return None
+        generations = io.join(spec.sink.uri, manifest.GENERATIONS)
+        earlier = checkpoint.earlier_generations(generations, submission_id)
+        saved = checkpoint.read_saved(
+            [checkpoint.checkpoint_uri(io.join(generations, name)) for name in earlier], id_column
+        )
+        if saved is not None:
+            _say("resume: %d row(s) finished by %s are not computed again", saved.num_rows, ", ".join(earlier))
+        return cls(id_column, checkpoint.checkpoint_uri(gen_uri), saved, earlier)
+
+    def check_unique(self, ds: Any, rows_in: int) -> None:
+        distinct = len(ds.unique(self.id_column))
+        if distinct != rows_in:
+            raise JobError(
+                f"prompt.id_column {self.id_column!r} must be unique per row: {rows_in} rows have "
+                f"{distinct} distinct values"
+            )
+
+    def skip_finished(self, good: Any) -> tuple[Any, int]:
+        if self.saved is None:
+            return good, good.count()
+        done = set(self.saved.column(self.id_column).to_pylist())
+        column = self.id_column
+        remaining = good.filter(lambda r: (r[STASH] or {}).get(column) not in done, **LIGHT).materialize()
+        todo = remaining.count()
+        _say("resume: %d row(s) left for the engine", todo)
+        return remaining, todo
+
+    def with_saved(self, outputs: Any) -> Any:
+        if self.saved is None:
+            return outputs
+        import ray.data
+
+        saved = ray.data.from_arrow(self.saved)
+        return saved if outputs is None else outputs.union(saved).materialize()
 
 
 def open_pipeline(spec: JobSpec, package_dir: str) -> VLLMPipeline | HttpPipeline:
@@ -222,6 +277,11 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     if spec.limits.max_rows:
         ds = ds.limit(spec.limits.max_rows)
 
+    # This generation starts empty; with an id column, rows an earlier attempt finished are read back.
+    gen_uri = manifest.generation_uri(spec.sink.uri, submission_id)
+    io.delete_dir(gen_uri)
+    resume = Resume.open(spec, submission_id, gen_uri)
+
     # 2. Rows -> requests (a row that cannot be prompted is an error row, not a crash).
     builder = RequestBuilder(spec.prompt, spec.task_type, keep, package_dir, pipeline.lora())
     prepared = ds.map(builder, **LIGHT).materialize()
@@ -235,11 +295,17 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     _check_error_fraction(unpromptable, rows_in, spec.limits.max_error_fraction, "before the engine started")
     errors = bad_prompts.map(lambda r: error_row(r, PRE_ERROR), **LIGHT)
     outputs = None
+    todo = rows_in - unpromptable
+    if resume is not None:
+        resume.check_unique(ds, rows_in)
+        good, todo = resume.skip_finished(good)
 
     # 3. The engine or endpoint; per-row failures come back as error rows.
-    if rows_in > unpromptable:
-        outputs, call_errors = pipeline.infer(good)
+    if todo:
+        outputs, call_errors = pipeline.infer(good, resume.uri if resume is not None else None)
         errors = call_errors.union(errors)
+    if resume is not None:
+        outputs = resume.with_saved(outputs)
     errors = errors.materialize()
     rows_out, rows_err = (outputs.count() if outputs is not None else 0), errors.count()
     input_tokens = int(outputs.sum(OUTPUT_TOKENS_IN) or 0) if rows_out else 0
@@ -247,9 +313,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     _say("rows out: %d, error rows: %d, tokens in/out: %d/%d", rows_out, rows_err, input_tokens, output_tokens)
 
     # 4. Write this generation's files; nothing is published yet.
-    gen_uri = manifest.generation_uri(spec.sink.uri, submission_id)
     outputs_uri, errors_uri = io.join(gen_uri, "outputs"), io.join(gen_uri, "errors")
-    io.delete_dir(gen_uri)
     if rows_out:
         io.write_dataset(outputs, outputs_uri, spec.sink.format)
     if rows_err:
@@ -281,7 +345,10 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         output_tokens=output_tokens,
         started_at=started_at,
         wall_time_s=time.time() - started,
-        details=pipeline.details(input_tokens, output_tokens),
+        details={
+            **pipeline.details(input_tokens, output_tokens),
+            "rows_resumed": resume.saved_rows if resume is not None else 0,
+        },
         versions={"ray": ray.__version__, **pipeline.versions()},
         table_rows=table_rows,
     )

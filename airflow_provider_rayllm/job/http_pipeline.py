@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from airflow_provider_rayllm.job.checkpoint import CheckpointStage
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.http_client import EndpointClient
 from airflow_provider_rayllm.job.prompts import REQUEST, STASH, error_row
@@ -117,16 +118,10 @@ def check(http: HttpProcessorSpec) -> None:
         raise JobError(f"qps={http.qps} is too low for {http.concurrency} actor(s)")
 
 
-def infer(good: Any, http: HttpProcessorSpec, output_column: str, light: dict[str, Any]) -> tuple[Any, Any]:
-    """(output rows, error rows), each with its own schema."""
-    raw = good.map_batches(
-        HttpCaller,
-        fn_constructor_kwargs={"http_json": http.model_dump_json(), "output_column": output_column},
-        batch_size=http.batch_size,
-        concurrency=http.concurrency,
-        num_cpus=light["num_cpus"],
-        batch_format="numpy",
-    ).materialize()
+def infer(
+    good: Any, http: HttpProcessorSpec, output_column: str, light: dict[str, Any], checkpoint_uri: str | None = None
+) -> tuple[Any, Any]:
+    """(output rows, error rows), each with its own schema; finished rows saved under checkpoint_uri if given."""
 
     def output(row: dict[str, Any]) -> dict[str, Any]:
         value = row[output_column]
@@ -140,6 +135,21 @@ def infer(good: Any, http: HttpProcessorSpec, output_column: str, light: dict[st
             "attempts": int(row["attempts"]),
         }
 
+    if checkpoint_uri:
+        # A block is saved when the callers emit it: blocks of one batch save every batch as it finishes.
+        good = good.repartition(target_num_rows_per_block=http.batch_size)
+    raw = good.map_batches(
+        HttpCaller,
+        fn_constructor_kwargs={"http_json": http.model_dump_json(), "output_column": output_column},
+        batch_size=http.batch_size,
+        concurrency=http.concurrency,
+        num_cpus=light["num_cpus"],
+        batch_format="numpy",
+    )
+    if checkpoint_uri:
+        stage = CheckpointStage(checkpoint_uri, output, lambda r: bool(r[CALL_ERROR]))
+        raw = raw.map_batches(stage, batch_format="numpy", batch_size=None, **light)
+    raw = raw.materialize()
     outputs = raw.filter(lambda r: not r[CALL_ERROR], **light).map(output, **light).materialize()
     errors = raw.filter(lambda r: bool(r[CALL_ERROR]), **light).map(lambda r: error_row(r, CALL_ERROR), **light)
     return outputs, errors

@@ -105,6 +105,8 @@ class RayLLMBatchBaseOperator(BaseOperator):
         output_table: str | None = None,
         output_table_conn_id: str | None = None,
         hf_conn_id: str | None = None,
+        entrypoint_num_cpus: float | None = None,
+        entrypoint_resources: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -123,6 +125,9 @@ class RayLLMBatchBaseOperator(BaseOperator):
         self.output_table = output_table
         self.output_table_conn_id = output_table_conn_id
         self.hf_conn_id = hf_conn_id
+        # What the job's driver reserves on the cluster; with a custom resource the cluster queues drivers.
+        self.entrypoint_num_cpus = entrypoint_num_cpus
+        self.entrypoint_resources = entrypoint_resources
         self._submission_id: str | None = None
 
     @cached_property
@@ -251,6 +256,8 @@ class RayLLMBatchBaseOperator(BaseOperator):
                 submission_id=submission_id,
                 runtime_env=self._runtime_env(package_dir),
                 metadata=metadata,
+                entrypoint_num_cpus=self.entrypoint_num_cpus,
+                entrypoint_resources=self.entrypoint_resources,
             )
         except Exception as exc:
             # Another attempt of this task instance submitted the same id first: attach to it.

@@ -68,6 +68,9 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
     ``messages_column`` or ``preprocess`` (a callable row -> request, as in the guide), plus
     ``system_prompt`` and ``sampling_params``. ``postprocess`` shapes output rows.
 
+    ``id_column`` (a column with a unique id per row) makes the job resumable: finished rows are
+    saved as they finish, and a retry after a stop or failure sends only the other rows to the engine.
+
     Processor settings keep the guide's names: ``model_source``, ``engine_kwargs``, ``concurrency``,
     ``batch_size``, ``accelerator_type``, ``runtime_env``, ``max_concurrent_batches``,
     ``placement_group_config``, ``task_type``; the guide's ``apply_chat_template``, ``tokenize``,
@@ -120,6 +123,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         lora_column: str | None = None,
         lora_adapters: list[str] | None = None,
         keep_columns: list[str] | None = None,
+        id_column: str | None = None,
         task_type: str = "generate",
         engine_kwargs: dict[str, Any] | None = None,
         concurrency: int | tuple[int, int] = 1,
@@ -167,6 +171,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         self.lora_column = lora_column
         self.lora_adapters = lora_adapters
         self.keep_columns = keep_columns
+        self.id_column = id_column
         # BaseOperator already has a `task_type` property (the class name).
         self.engine_task_type = task_type
         self.engine_kwargs = engine_kwargs or {}
@@ -254,6 +259,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
                 "output_column": self.output_column,
                 "lora_column": self.lora_column,
                 "keep_columns": self.keep_columns,
+                "id_column": self.id_column,
             },
             "processor": processor,
             "limits": {"max_error_fraction": self.max_error_fraction, "max_rows": self.max_rows},

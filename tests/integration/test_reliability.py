@@ -295,6 +295,51 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
     )
 
 
+def test_a_stopped_job_run_again_does_not_recompute_finished_rows(ray_conn, echo, test_home):
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    hook = RayJobHook()
+    n = 96
+    input_uri, output_uri = _rows(test_home, "resume", n), test_home / "out" / "resume"
+    op = _http_op("resume", input_uri, str(output_uri), id_column="id")
+    ti = StandInTI("reliability", "manual__resume", "resume")
+    thread, outcome = run_in_thread(op, ti)
+    wait_for(lambda: _stats(echo)["total"] >= n // 3 or not thread.is_alive(), 180, "a third of the rows to be sent")
+    op.on_kill()
+    sid = ti.xcom["submission_id"]
+    wait_for(lambda: hook.get_job_info(sid)["status"] == "STOPPED", 30, "the job to be STOPPED")
+    thread.join(timeout=60)
+    assert "ended STOPPED" in str(outcome.get("error"))
+    assert not (output_uri / "manifest.json").exists(), "a stopped job publishes nothing"
+    sent_by_first = _stats(echo)["requests"]
+    saved = [r["id"] for r in read_rows([{"uri": str(p)} for p in (output_uri / "_generations" / sid / "checkpoint").glob("*.parquet")])]
+    assert saved, "the stopped job saved no finished rows"
+    assert len(saved) == len(set(saved)) and len(saved) < n
+
+    # The retry (same task instance, next try) is a new generation that sends only the other rows.
+    retry_ti = StandInTI("reliability", "manual__resume", "resume", try_number=2)
+    started = time.time()
+    manifest = _http_op("resume", input_uri, str(output_uri), id_column="id").execute({"ti": retry_ti})
+    seconds = time.time() - started
+    assert manifest["submission_id"].endswith("-g1")
+    out = read_rows(manifest["output_files"])
+    ids = [r["id"] for r in out]
+    assert sorted(ids) == list(range(n)), "output ids must be complete and unique"
+    assert all(r["response"] == f"echo: resume row {r['id']}" for r in out)
+    assert manifest["rows_resumed"] == len(saved) and manifest["rows_out"] == n
+    requests = _stats(echo)["requests"]
+    recomputed = [i for i in saved if requests[f"resume row {i}"] != 1]
+    assert not recomputed, f"rows finished before the stop were sent again: {recomputed}"
+    never_sent = [i for i in range(n) if f"resume row {i}" not in sent_by_first]
+    assert all(requests[f"resume row {i}"] == 1 for i in never_sent)
+    assert sorted(p.name for p in (output_uri / "_generations").iterdir()) == [manifest["submission_id"]]
+    record_figure(
+        "resume", rows=n, rows_finished_before_stop=len(saved), requests_before_stop=sum(sent_by_first.values()),
+        requests_after_resume=sum(requests.values()) - sum(sent_by_first.values()), finished_rows_sent_again=len(recomputed),
+        rows_lost=n - len(set(ids)), duplicate_rows=len(ids) - len(set(ids)), resumed_job_seconds=round(seconds, 1),
+    )
+
+
 @pytest.mark.parametrize("token", ["wrong-token", None], ids=["wrong token", "no token"])
 def test_a_bad_ray_token_fails_fast_without_a_retry_loop(token, ray_conn, test_home, monkeypatch):
     from airflow_provider_rayllm.hooks.ray_job import RayAuthError

@@ -136,11 +136,13 @@ class SubmittingHook(JobsOnRecord):
         super().__init__(statuses)
         self.submitted = []
 
-    def submit_job(self, *, entrypoint, submission_id, runtime_env, metadata):
+    def submit_job(self, *, entrypoint, submission_id, runtime_env, metadata, **reserve):
         from pathlib import Path
 
         spec_text = (Path(runtime_env["working_dir"]) / "spec.json").read_text()
-        self.submitted.append({"entrypoint": entrypoint, "id": submission_id, "meta": metadata, "spec": spec_text})
+        self.submitted.append(
+            {"entrypoint": entrypoint, "id": submission_id, "meta": metadata, "spec": spec_text, "reserve": reserve}
+        )
         self.statuses[submission_id] = "PENDING"
         return submission_id
 
@@ -229,3 +231,15 @@ def test_polling_waits_out_a_short_outage_and_gives_up_on_a_long_one():
     with pytest.raises(RayAuthError):
         refused._wait_with_logs("S-g0")
     assert api.calls == 1, "an auth error is not waited out"
+
+
+def test_driver_reservation_reaches_the_jobs_api():
+    from airflow.sdk.exceptions import TaskDeferred
+
+    op = operator(deferrable=True, entrypoint_num_cpus=0, entrypoint_resources={"rayllm_driver": 1})
+    hook = SubmittingHook({})
+    op.__dict__["hook"] = hook
+    with pytest.raises(TaskDeferred):
+        op.execute({"ti": Ti()})
+    (sub,) = hook.submitted
+    assert sub["reserve"] == {"entrypoint_num_cpus": 0, "entrypoint_resources": {"rayllm_driver": 1}}
