@@ -73,6 +73,13 @@ def default_output_uri(base: str, dag_id: str, run_id: str, task_id: str, map_in
     return "/".join([base.rstrip("/"), *parts])
 
 
+def asset_uri(uri: str) -> str:
+    """A path or bucket URI as an asset URI: local paths become file:// URIs."""
+    if "://" in uri:
+        return uri
+    return "file://" + os.path.abspath(os.path.expanduser(uri))
+
+
 def submission_base_id(dag_id: str, run_id: str, task_id: str, map_index: int, spec_hash: str) -> str:
     """Same task instance and same settings => same id; the generation suffix is added on top."""
     key = json.dumps([dag_id, run_id, task_id, map_index, spec_hash])
@@ -355,7 +362,30 @@ class RayLLMBatchBaseOperator(BaseOperator):
         manifest = self._read_manifest(submission_id)
         self._publish(context, manifest)
         self._annotate_outlets(context, manifest)
+        self._report_lineage(manifest)
         return manifest
+
+    def lineage_inputs(self) -> list[str]:
+        """URIs of what the job read, for Airflow's hook lineage collector (subclasses say)."""
+        return []
+
+    def _report_lineage(self, manifest: dict[str, Any]) -> None:
+        """Inputs and the output prefix go to Airflow's hook lineage collector (a no-op without a reader)."""
+        try:
+            from airflow.sdk.lineage import get_hook_lineage_collector
+        except ImportError:  # pragma: no cover - Airflow without the SDK lineage module
+            return
+        collector = get_hook_lineage_collector()
+        try:
+            for uri in self.lineage_inputs():
+                collector.add_input_asset(context=self.hook, uri=asset_uri(uri))
+            collector.add_output_asset(
+                context=self.hook,
+                uri=asset_uri(manifest["output_uri"]),
+                asset_extra={"submission_id": manifest.get("submission_id"), "rows_out": manifest.get("rows_out")},
+            )
+        except Exception as exc:  # lineage never fails a task
+            self.log.warning("lineage not reported: %s", exc)
 
     def _annotate_outlets(self, context: Context, manifest: dict[str, Any]) -> None:
         """Each declared outlet asset's event carries where this run's output is (URIs and figures only)."""

@@ -56,6 +56,11 @@ class ModelUploadOperator(RayLLMBatchBaseOperator):
             "overwrite": self.overwrite,
         }
 
+    def lineage_inputs(self) -> list[str]:
+        # A Hugging Face id is not a location; a folder or bucket is.
+        source = str(self.model_source)
+        return [source] if "://" in source or source.startswith(("/", "~", ".")) else []
+
     def _publish(self, context: Context, manifest: dict[str, Any]) -> None:
         context["ti"].xcom_push(key="output_uri", value=manifest["output_uri"])
         self.log.info(

@@ -216,6 +216,12 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
             "parallelism": self.sql_parallelism,
         }
 
+    def lineage_inputs(self) -> list[str]:
+        # A SQL query names no single table; files and bucket prefixes are reported as read.
+        if self.input_uri is None:
+            return []
+        return [self.input_uri] if isinstance(self.input_uri, str) else list(self.input_uri)
+
     def job_secrets(self) -> dict[str, str]:
         env = super().job_secrets()
         if self.sql is not None and self.sql_conn_id:

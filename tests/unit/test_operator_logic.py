@@ -243,3 +243,26 @@ def test_driver_reservation_reaches_the_jobs_api():
         op.execute({"ti": Ti()})
     (sub,) = hook.submitted
     assert sub["reserve"] == {"entrypoint_num_cpus": 0, "entrypoint_resources": {"rayllm_driver": 1}}
+
+
+def test_inputs_and_output_reach_airflows_hook_lineage_collector(monkeypatch):
+    import airflow.sdk.lineage as lineage
+
+    collector = lineage.HookLineageCollector()
+    monkeypatch.setattr(lineage, "get_hook_lineage_collector", lambda: collector)
+    op = operator(input_uri=["s3://raw/questions/part-0.parquet", "/data/more.jsonl"], output_uri="gs://answers/daily")
+    op.__dict__["hook"] = JobsOnRecord({})
+    op._report_lineage({"output_uri": "gs://answers/daily", "submission_id": "B-g0", "rows_out": 7})
+    found = collector.collected_assets
+    assert sorted(a.asset.uri for a in found.inputs) == ["file:///data/more.jsonl", "s3://raw/questions/part-0.parquet"]
+    (out,) = found.outputs
+    assert out.asset.uri == "gs://answers/daily" and out.asset.extra == {"submission_id": "B-g0", "rows_out": 7}
+    assert out.context is op.hook
+
+    # A query names no single table: only the output is reported.
+    collector2 = lineage.HookLineageCollector()
+    monkeypatch.setattr(lineage, "get_hook_lineage_collector", lambda: collector2)
+    sql_op = operator(input_uri=None, sql="SELECT 1", sql_conn_id="pg")
+    sql_op.__dict__["hook"] = JobsOnRecord({})
+    sql_op._report_lineage({"output_uri": "/out", "submission_id": "C-g0", "rows_out": 1})
+    assert collector2.collected_assets.inputs == [] and [a.asset.uri for a in collector2.collected_assets.outputs] == ["file:///out"]
