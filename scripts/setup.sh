@@ -35,4 +35,14 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   log "installed in $(( $(date +%s) - started )) s"
 fi
 
+# The browser test needs a Chromium; Playwright drives the system's (Debian's package), it downloads none.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing Debian's chromium for the browser test"
+    apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null; }
+  else
+    log "no chromium: the browser test will be skipped (CI fails instead); install Debian's chromium package"
+  fi
+fi
+
 "$VENV/bin/python" -m airflow_provider_rayllm.local.models >&2
