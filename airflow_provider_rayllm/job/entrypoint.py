@@ -90,6 +90,20 @@ def _check_error_fraction(errors: int, rows: int, limit: float, where: str) -> N
         )
 
 
+def _token_totals(outputs: Any) -> tuple[int, int]:
+    """Token totals from the materialized blocks, read by the driver (no aggregation tasks to start)."""
+    import pyarrow.compute as pc
+    import ray
+
+    totals = [0, 0]
+    for ref in outputs.to_arrow_refs():
+        table = ray.get(ref)
+        for i, column in enumerate((OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT)):
+            if column in table.column_names and table.num_rows:
+                totals[i] += int(pc.sum(table.column(column)).as_py() or 0)
+    return totals[0], totals[1]
+
+
 def _input_columns(ds: Any) -> list[str]:
     schema = ds.schema()
     if schema is None:
@@ -308,8 +322,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         outputs = resume.with_saved(outputs)
     errors = errors.materialize()
     rows_out, rows_err = (outputs.count() if outputs is not None else 0), errors.count()
-    input_tokens = int(outputs.sum(OUTPUT_TOKENS_IN) or 0) if rows_out else 0
-    output_tokens = int(outputs.sum(OUTPUT_TOKENS_OUT) or 0) if rows_out else 0
+    input_tokens, output_tokens = _token_totals(outputs) if rows_out else (0, 0)
     _say("rows out: %d, error rows: %d, tokens in/out: %d/%d", rows_out, rows_err, input_tokens, output_tokens)
 
     # 4. Write this generation's files; nothing is published yet.

@@ -1,7 +1,7 @@
 """The Airflow UI in a real browser: Airflow's API server on loopback, headless Chromium driven by Playwright.
 
-A finished run comes first (the HTTP operator against a local echo endpoint, under dag.test() in the
-test database); then `airflow dags reserialize` puts every DAG of both bundles in the database, and the
+A finished run comes first (the shipped quickstart DAG under dag.test() in the test database, shared
+with the other tests); then `airflow dags reserialize` puts every DAG of both bundles in the database, and the
 API server serves the UI over it. The browser checks that the example DAGs are listed, that "Trigger"
 shows the example's Params as a form, and that the finished task shows the "Ray job" link (Details tab) to
 the job's page in the Ray dashboard. Screenshots go to tests/artifacts/browser/.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import load_dag, task_state, utc, write_jsonl, xcom
+from tests.integration.helpers import xcom
 
 pytestmark = pytest.mark.integration
 
@@ -43,25 +43,15 @@ def _airflow(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def finished_run(ray_conn, airflow_db, service_logs, test_home):
-    """One finished run of the HTTP test DAG, with its Ray job link recorded."""
-    from tests.integration.services import echo_server
-
-    with echo_server(0.01, service_logs) as url:
-        os.environ["AIRFLOW_CONN_LLM_TEST"] = json.dumps({"conn_type": "http", "host": f"{url}/v1"})
-        try:
-            rows = [{"id": i, "prompt": f"browser row {i}"} for i in range(4)]
-            conf = {"input_uri": write_jsonl(test_home / "inputs" / "browser.jsonl", rows), "model": "echo",
-                    "output_uri": str(test_home / "out" / "browser")}
-            dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_http")
-            dag_run = dag.test(logical_date=utc(2026, 10, 1), run_after=utc(2026, 10, 1), run_conf=conf)
-        finally:
-            os.environ.pop("AIRFLOW_CONN_LLM_TEST", None)
-    assert task_state(dag_run, "call") == "success"
+def finished_run(quickstart_run):
+    """The shipped quickstart DAG's finished run (shared with the other tests), with its Ray job link."""
+    assert quickstart_run["state"] == "success"
+    dag_run = quickstart_run["dag_run"]
     return {
-        "dag_id": dag.dag_id,
+        "dag_id": dag_run.dag_id,
         "run_id": dag_run.run_id,
-        "job_url": xcom(dag.dag_id, dag_run.run_id, "call", "ray_job_url"),
+        "task_id": "answer",
+        "job_url": xcom(dag_run.dag_id, dag_run.run_id, "answer", "ray_job_url"),
     }
 
 
@@ -139,7 +129,7 @@ def test_trigger_form_shows_the_params(page, api_server):
 def test_finished_task_shows_the_ray_job_link(page, api_server, finished_run):
     run = finished_run
     # Airflow 3's task page lists a task's extra links on its Details tab.
-    page.goto(f"{api_server}/dags/{run['dag_id']}/runs/{run['run_id']}/tasks/call/details")
+    page.goto(f"{api_server}/dags/{run['dag_id']}/runs/{run['run_id']}/tasks/{run['task_id']}/details")
     link = page.get_by_role("link", name="Ray job")
     try:
         link.first.wait_for()

@@ -30,16 +30,16 @@ def test_answers_every_row_with_usage_and_cost(ray_conn, airflow_db, vllm_endpoi
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
 
     _conn(monkeypatch, vllm_endpoint)
-    questions = [f"What is {i} plus {i}?" for i in range(40)]
+    questions = [f"What is {i} plus {i}?" for i in range(16)]
     input_uri = write_jsonl(test_home / "inputs" / "http.jsonl", [{"id": i, "prompt": q} for i, q in enumerate(questions)])
     dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_http")
     conf = {"input_uri": input_uri, "output_uri": str(test_home / "out" / "http"), "max_in_flight": 16}
     dag_run = dag.test(logical_date=utc(2026, 9, 1), run_after=utc(2026, 9, 1), run_conf=conf)
     assert task_state(dag_run, "call") == "success"
     manifest = xcom(dag.dag_id, dag_run.run_id, "call", "return_value")
-    assert manifest["kind"] == "http" and manifest["rows_in"] == manifest["rows_out"] == 40
+    assert manifest["kind"] == "http" and manifest["rows_in"] == manifest["rows_out"] == 16
     rows = read_rows(manifest["output_files"])
-    assert sorted(r["id"] for r in rows) == list(range(40))
+    assert sorted(r["id"] for r in rows) == list(range(16))
     assert all(r["response"].strip() and 0 < r["num_generated_tokens"] <= 16 for r in rows)
     assert manifest["input_tokens"] == sum(r["num_input_tokens"] for r in rows) > 0
     assert manifest["output_tokens"] == sum(r["num_generated_tokens"] for r in rows) > 0
