@@ -19,6 +19,10 @@ test-unit: setup
 clean-local:
 	$(PY) -m airflow_provider_rayllm.local stop || true
 
-# Benchmarks write benchmarks/results/<date>.json and docs/PERFORMANCE.md; not part of `make test`.
+# Benchmarks write benchmarks/results/<date>*.json and docs/PERFORMANCE.md; not part of `make test`.
 bench: setup
+	$(PY) benchmarks/engine_bench.py
 	$(PY) benchmarks/http_bench.py
+	$(PY) benchmarks/scale_bench.py
+	$(PY) benchmarks/load_bench.py
+	$(PY) benchmarks/report.py

@@ -6,7 +6,7 @@ Three ways to send the same chat requests, in interleaved rounds:
 - asyncio: a plain aiohttp client with the same number of requests in flight (no Ray).
 
 Each round times the whole dataset (actor start included for both Ray paths). Writes
-benchmarks/results/<date>.json and docs/PERFORMANCE.md with a plot.
+benchmarks/results/<date>-http.json; benchmarks/report.py turns it into docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -117,28 +117,6 @@ def summarize(samples: list[float]) -> dict:
     }
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = ["ours", "asyncio", "ray"]
-    labels = ["HttpLLMBatchOperator actor", "plain asyncio client", "Ray HttpRequestProcessor"]
-    medians = [results["methods"][n]["median_rows_per_s"] for n in names]
-    lows = [m - results["methods"][n]["min_rows_per_s"] for m, n in zip(medians, names)]
-    highs = [results["methods"][n]["max_rows_per_s"] - m for m, n in zip(medians, names)]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    ax.barh(labels, medians, xerr=[lows, highs], color=["#2b6cb0", "#718096", "#c05621"], capsize=4)
-    ax.set_xlabel("rows per second (median, min-max over rounds)")
-    ax.set_title(f"{results['rows']} chat requests, same local vLLM server, {results['in_flight']} in flight")
-    for i, m in enumerate(medians):
-        ax.text(m, i, f" {m:.0f}", va="center")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=512)
@@ -147,13 +125,7 @@ def main() -> int:
     parser.add_argument("--actors", type=int, default=1)
     parser.add_argument("--in-flight", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--report-only", type=Path, help="redraw the plot and report from a results JSON")
     args = parser.parse_args()
-    if args.report_only:
-        results = json.loads(args.report_only.read_text())
-        plot(results, REPO / "docs" / "img" / "http_throughput.png")
-        write_report(results, args.report_only.resolve())
-        return 0
 
     import ray
     import vllm
@@ -200,50 +172,10 @@ def main() -> int:
         "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
     }
     out_dir = REPO / "benchmarks" / "results"
-    out_file = out_dir / f"{results['date']}.json"
-    out_file.write_text(json.dumps(results, indent=2))
-    plot(results, REPO / "docs" / "img" / "http_throughput.png")
-    write_report(results, out_file)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{results['date']}-http.json").write_text(json.dumps(results, indent=2))
     print(json.dumps({k: results[k] for k in ("http_vs_ray_processor_ratio", "http_vs_asyncio_ratio")}))
     return 0
-
-
-def write_report(results: dict, out_file: Path) -> None:
-    m = results["methods"]
-    results = {**results, "plain_ratio_text": f"{m['asyncio']['median_rows_per_s'] / m['ray']['median_rows_per_s']:.1f}"}
-    text = f"""# Performance
-
-Figures from `make bench` on {results['date']} ({results['machine']['cpus']} CPUs, no GPU; Ray
-{results['versions']['ray']}, vLLM {results['versions']['vllm']}). Raw numbers: `{out_file.relative_to(REPO)}`.
-
-## HTTP path (HttpLLMBatchOperator)
-
-{results['rows']} chat requests (max_tokens={results['max_tokens']}) to one local vLLM OpenAI-compatible server
-(SmolLM2-135M on the CPU engine), {results['rounds']} interleaved rounds; batch_size={results['batch_size']},
-{results['actors']} actor(s), {results['in_flight']} requests in flight. Ray paths are timed with actor start-up.
-
-![throughput](img/http_throughput.png)
-
-| method | median rows/s | min | max |
-|---|---|---|---|
-| HttpLLMBatchOperator actor | {m['ours']['median_rows_per_s']:.1f} | {m['ours']['min_rows_per_s']:.1f} | {m['ours']['max_rows_per_s']:.1f} |
-| plain asyncio client | {m['asyncio']['median_rows_per_s']:.1f} | {m['asyncio']['min_rows_per_s']:.1f} | {m['asyncio']['max_rows_per_s']:.1f} |
-| Ray HttpRequestProcessor | {m['ray']['median_rows_per_s']:.1f} | {m['ray']['min_rows_per_s']:.1f} | {m['ray']['max_rows_per_s']:.1f} |
-
-- ours / Ray's processor: **{results['http_vs_ray_processor_ratio']:.2f}x** (target >= 5x)
-- ours / plain asyncio: **{results['http_vs_asyncio_ratio']:.2f}x** (target >= 0.9x)
-
-What bounds the ratios here:
-- Against Ray's processor the ceiling is the server, not the client: a plain asyncio client with the
-  same {results['in_flight']} requests in flight reaches only **{results['plain_ratio_text']}x** Ray's processor, because two CPU
-  cores serve the model and run the clients, and the CPU engine saturates at about
-  {m['asyncio']['median_rows_per_s']:.0f} rows/s. Ray's processor awaits the requests of a batch one after another, so it
-  runs at one request's latency at a time; any server with more capacity widens the gap.
-- Against the plain client, the Ray path pays for starting its actor and the dataset inside the timed
-  window (the same for Ray's processor); with {results['rows']} rows that is the difference between the
-  two medians ({results['rows'] / m['ours']['median_rows_per_s'] - results['rows'] / m['asyncio']['median_rows_per_s']:.1f} s).
-"""
-    (REPO / "docs" / "PERFORMANCE.md").write_text(text)
 
 
 if __name__ == "__main__":

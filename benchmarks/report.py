@@ -1,0 +1,332 @@
+"""Merge the benchmarks' result files into benchmarks/results/<date>.json and write docs/PERFORMANCE.md.
+
+    python benchmarks/report.py [--date YYYY-MM-DD]
+
+Reads the newest (or the given date's) <date>-http.json, <date>-engine.json, <date>-scale.json and
+<date>-load.json; a part that was not run is named as missing in the report rather than left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+IMG = REPO / "docs" / "img"
+PARTS = ("http", "engine", "scale", "load")
+
+# H200 SXM, NVIDIA's data sheet: 141 GB HBM3e at 4.8 TB/s; 989 TFLOPS dense BF16 (1,979 with sparsity).
+H200 = {"hbm_gb": 141, "hbm_tb_per_s": 4.8, "bf16_dense_tflops": 989}
+# An 8B model in bf16 (Llama-3.1-8B shape: 32 layers, 8 KV heads of 128, GQA).
+MODEL_8B = {"params_b": 8.03, "bytes_per_param": 2, "layers": 32, "kv_heads": 8, "head_dim": 128}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def latest_date() -> str:
+    dates = sorted({p.name[:10] for p in RESULTS.glob("20??-??-??-*.json")})
+    if not dates:
+        raise SystemExit("no benchmark results yet: run `make bench`")
+    return dates[-1]
+
+
+def load_parts(day: str) -> dict[str, dict]:
+    parts = {}
+    for part in PARTS:
+        path = RESULTS / f"{day}-{part}.json"
+        if path.exists():
+            parts[part] = json.loads(path.read_text())
+    return parts
+
+
+def gpu_projection() -> dict:
+    weights_gb = MODEL_8B["params_b"] * MODEL_8B["bytes_per_param"]
+    flops_per_token = 2 * MODEL_8B["params_b"] * 1e9
+    kv_bytes_per_token = 2 * MODEL_8B["layers"] * MODEL_8B["kv_heads"] * MODEL_8B["head_dim"] * 2
+    decode_steps_per_s = H200["hbm_tb_per_s"] * 1e12 / (weights_gb * 1e9)  # weights read once per step
+    compute_tokens_per_s = H200["bf16_dense_tflops"] * 1e12 / flops_per_token
+    kv_budget_gb = H200["hbm_gb"] * 0.9 - weights_gb
+    return {
+        "weights_gb": round(weights_gb, 1),
+        "kv_cache_kb_per_token": round(kv_bytes_per_token / 1024, 1),
+        "kv_cache_budget_gb_at_0.9": round(kv_budget_gb, 1),
+        "kv_cache_tokens": int(kv_budget_gb * 1e9 / kv_bytes_per_token),
+        "memory_bound_decode_steps_per_s": round(decode_steps_per_s),
+        "compute_bound_tokens_per_s": round(compute_tokens_per_s),
+        "batch_where_compute_binds": round(compute_tokens_per_s / decode_steps_per_s),
+    }
+
+
+def plot_engine(engine: dict) -> None:
+    plt = _plt()
+    b = engine["ours_breakdown_median_s"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
+    parts = [
+        ("submit + package upload", b["submit_s"], "#2b6cb0"),
+        ("until the driver runs", b["until_driver_started_s"], "#4299e1"),
+        ("job (driver)", b["driver_s"], "#90cdf4"),
+        ("end noticed", b["end_noticed_s"], "#bee3f8"),
+    ]
+    left = 0.0
+    for label, value, color in parts:
+        ax1.barh(["VLLMBatchOperator"], [value], left=left, color=color, label=label)
+        left += value
+    ax1.barh(["ray job submit (plain)"], [engine["plain_total_s"]["median"]], color="#718096")
+    ax1.set_xlabel("seconds, task start to result (median)")
+    ax1.legend(fontsize=7, loc="lower right")
+    ax1.set_title(f"{engine['rows']} rows x {engine['max_tokens']} tokens: overhead {engine['provider_overhead_ratio']:.2f}x")
+    ours, off = engine["ours_steady_tokens_per_s"], engine["offline_tokens_per_s"]
+    names = ["our vLLM path (steady)", "vLLM LLM.chat offline"]
+    meds = [ours["median"], off["median"]]
+    errs = [[m - s["min"] for m, s in zip(meds, (ours, off))], [s["max"] - m for m, s in zip(meds, (ours, off))]]
+    ax2.barh(names, meds, xerr=errs, color=["#2b6cb0", "#718096"], capsize=4)
+    ax2.set_xlabel("output tokens per second (median, min-max)")
+    ax2.set_title(f"engine efficiency {engine['engine_efficiency_ratio']:.2f}x")
+    fig.tight_layout()
+    IMG.mkdir(parents=True, exist_ok=True)
+    fig.savefig(IMG / "engine_overhead.png", dpi=120)
+
+
+def plot_http(http: dict) -> None:
+    plt = _plt()
+    names = ["ours", "asyncio", "ray"]
+    labels = ["HttpLLMBatchOperator actor", "plain asyncio client", "Ray HttpRequestProcessor"]
+    medians = [http["methods"][n]["median_rows_per_s"] for n in names]
+    lows = [m - http["methods"][n]["min_rows_per_s"] for m, n in zip(medians, names)]
+    highs = [http["methods"][n]["max_rows_per_s"] - m for m, n in zip(medians, names)]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.barh(labels, medians, xerr=[lows, highs], color=["#2b6cb0", "#718096", "#c05621"], capsize=4)
+    ax.set_xlabel("rows per second (median, min-max over rounds)")
+    ax.set_title(f"{http['rows']} chat requests, same local vLLM server, {http['in_flight']} in flight")
+    for i, m in enumerate(medians):
+        ax.text(m, i, f" {m:.0f}", va="center")
+    fig.tight_layout()
+    IMG.mkdir(parents=True, exist_ok=True)
+    fig.savefig(IMG / "http_throughput.png", dpi=120)
+
+
+def plot_scale(scale: dict) -> None:
+    plt = _plt()
+    points = scale["scale"]
+    rows = [p["rows"] for p in points]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
+    ax1.plot(rows, [p["rows_per_s"] for p in points], marker="o", color="#2b6cb0")
+    ax1.set_xscale("log")
+    ax1.set_ylim(bottom=0)
+    ax1.set_xlabel("rows")
+    ax1.set_ylabel("rows per second")
+    ax1.set_title("throughput by job size")
+    ax2.plot(rows, [p["driver_peak_mb"] for p in points], marker="o", label="Ray job driver", color="#2b6cb0")
+    ax2.plot(rows, [p["worker_peak_mb"] for p in points], marker="s", label="Airflow worker (task)", color="#c05621")
+    ax2.set_xscale("log")
+    ax2.set_ylim(bottom=0)
+    ax2.set_xlabel("rows")
+    ax2.set_ylabel("peak RSS, MB")
+    ax2.legend(fontsize=8)
+    ax2.set_title("memory by job size")
+    fig.tight_layout()
+    IMG.mkdir(parents=True, exist_ok=True)
+    fig.savefig(IMG / "scale.png", dpi=120)
+
+
+def _missing(part: str) -> str:
+    return f"_Not measured in this run: `benchmarks/results/<date>-{part}.json` is missing (run `make bench`)._\n"
+
+
+def engine_section(e: dict | None) -> str:
+    if e is None:
+        return "## Provider overhead and engine efficiency\n\n" + _missing("engine")
+    b = e["ours_breakdown_median_s"]
+    slots = e["airflow_worker_slot_s"]
+    return f"""## Provider overhead and engine efficiency (VLLMBatchOperator)
+
+{e['rows']} prompts, exactly {e['max_tokens']} output tokens each (`ignore_eos`), {e['model']},
+engine_kwargs `{json.dumps(e['engine_kwargs'])}`, batch_size {e['batch_size']} x max_concurrent_batches
+{e['max_concurrent_batches']}; {e['rounds']} interleaved rounds.
+
+![overhead and efficiency](img/engine_overhead.png)
+
+**Provider overhead: {e['provider_overhead_ratio']:.3f}x** (target <= 1.05x; rounds
+{', '.join(f'{v:.3f}' for v in e['provider_overhead']['samples'])}). VLLMBatchOperator from task start to the
+manifest in hand, against the same `ray.data.llm` pipeline as a plain script through `ray job submit`
+(median {e['plain_total_s']['median']:.1f} s). Where our {b['total_s']:.1f} s go (medians):
+
+| part | seconds |
+|---|---|
+| submit: spec built, package zipped and uploaded, job submitted | {b['submit_s']:.1f} |
+| until the Ray driver started | {b['until_driver_started_s']:.1f} |
+| the job's driver (checks, read, engine start, rows, write, manifest) | {b['driver_s']:.1f} |
+| end noticed (poll interval 0.5 s, manifest read) | {b['end_noticed_s']:.1f} |
+
+**Engine efficiency: {e['engine_efficiency_ratio']:.3f}x** (target >= 0.95x; rounds
+{', '.join(f'{v:.3f}' for v in e['engine_efficiency']['samples'])}). Our path's steady-state output tokens/s is
+the difference between a {e['rows']}-row and a {e['small_rows']}-row job of the same settings (engine start-up
+cancels out): median {e['ours_steady_tokens_per_s']['median']:.0f} tokens/s, against vLLM's own `LLM.chat` over the
+same prompts after a warm-up: {e['offline_tokens_per_s']['median']:.0f} tokens/s.
+
+**Airflow cost.** Worker slot-seconds per job: not deferred {slots['not_deferred']['median']:.1f} s (the whole
+{slots['not_deferred_job_s']:.0f} s job); deferred {slots['deferred']['median']:.1f} s (submission, then the
+manifest read after the trigger fired) for a {slots['deferred_job_s']:.0f} s job. A deferred task's cost does not
+grow with the job's length; a non-deferred one holds its slot for all of it.
+"""
+
+
+def http_section(h: dict | None) -> str:
+    if h is None:
+        return "## HTTP path (HttpLLMBatchOperator)\n\n" + _missing("http")
+    m = h["methods"]
+    plain_ratio = m["asyncio"]["median_rows_per_s"] / m["ray"]["median_rows_per_s"]
+    gap = h["rows"] / m["ours"]["median_rows_per_s"] - h["rows"] / m["asyncio"]["median_rows_per_s"]
+    return f"""## HTTP path (HttpLLMBatchOperator)
+
+{h['rows']} chat requests (max_tokens={h['max_tokens']}) to one local vLLM OpenAI-compatible server
+(SmolLM2-135M on the CPU engine), {h['rounds']} interleaved rounds; batch_size={h['batch_size']},
+{h['actors']} actor(s), {h['in_flight']} requests in flight. Ray paths are timed with actor start-up.
+
+![throughput](img/http_throughput.png)
+
+| method | median rows/s | min | max |
+|---|---|---|---|
+| HttpLLMBatchOperator actor | {m['ours']['median_rows_per_s']:.1f} | {m['ours']['min_rows_per_s']:.1f} | {m['ours']['max_rows_per_s']:.1f} |
+| plain asyncio client | {m['asyncio']['median_rows_per_s']:.1f} | {m['asyncio']['min_rows_per_s']:.1f} | {m['asyncio']['max_rows_per_s']:.1f} |
+| Ray HttpRequestProcessor | {m['ray']['median_rows_per_s']:.1f} | {m['ray']['min_rows_per_s']:.1f} | {m['ray']['max_rows_per_s']:.1f} |
+
+- ours / Ray's processor: **{h['http_vs_ray_processor_ratio']:.2f}x** (target >= 5x)
+- ours / plain asyncio: **{h['http_vs_asyncio_ratio']:.2f}x** (target >= 0.9x)
+
+What bounds the ratios here:
+- Against Ray's processor the ceiling is the server, not the client: a plain asyncio client with the
+  same {h['in_flight']} requests in flight reaches only **{plain_ratio:.1f}x** Ray's processor, because two CPU
+  cores serve the model and run the clients, and the CPU engine saturates at about
+  {m['asyncio']['median_rows_per_s']:.0f} rows/s. Ray's processor awaits the requests of a batch one after another, so it
+  runs at one request's latency at a time; any server with more capacity widens the gap.
+- Against the plain client, the Ray path pays for starting its actor and the dataset inside the timed
+  window (the same for Ray's processor); with {h['rows']} rows that is the difference between the
+  two medians ({gap:.1f} s).
+"""
+
+
+def scale_section(s: dict | None) -> str:
+    if s is None:
+        return "## Scale\n\n" + _missing("scale")
+    rows = "\n".join(
+        f"| {p['rows']:,} | {p['rows_per_s']:.0f} | {p['seconds']:.0f} | {p['driver_peak_mb']:.0f} | {p['worker_peak_mb']:.0f} |"
+        for p in s["scale"]
+    )
+    return f"""## Scale (HTTP path, fast local endpoint)
+
+{s['description']}
+
+![scale](img/scale.png)
+
+| rows | rows/s | seconds | driver peak MB | Airflow worker peak MB |
+|---|---|---|---|---|
+{rows}
+
+Throughput spread across sizes: {s['rows_per_s_spread']:.0%} of the median (target: flat within 20 %).
+{s.get('notes', '')}
+"""
+
+
+def gpu_section() -> str:
+    g = gpu_projection()
+    return f"""## GPU projection (on paper; no GPU ran here)
+
+An 8B model in bf16 on one H200 (141 GB HBM3e at 4.8 TB/s, 989 TFLOPS dense BF16, from NVIDIA's data sheet):
+
+- weights: {g['weights_gb']} GB, read once per decode step, so memory bandwidth caps a replica at
+  **~{g['memory_bound_decode_steps_per_s']} decode steps/s**: one sequence decodes at most that many tokens/s;
+- each step yields one token per running sequence, so tokens/s grows with the batch until compute binds at
+  2 x 8.03e9 FLOP per token = **~{g['compute_bound_tokens_per_s']:,} tokens/s**, reached near
+  **{g['batch_where_compute_binds']} sequences** in flight (KV-cache reads push this later in practice);
+- KV cache: {g['kv_cache_kb_per_token']} KB per token (32 layers x 8 KV heads x 128 x K,V x 2 bytes); at
+  gpu_memory_utilization 0.9 that leaves {g['kv_cache_budget_gb_at_0.9']} GB, about {g['kv_cache_tokens']:,} tokens of context
+  across all running sequences.
+
+What the operator sets when the cluster has GPUs (`resource_profile="auto"` picks it): `enable_prefix_caching`
+(batch prompts share system prompts and templates), `enable_chunked_prefill` (long prompts do not stall
+decoding), `gpu_memory_utilization=0.9` (the KV cache is what lets the batch reach the compute-bound region
+above); one GPU per engine unless `tensor_parallel_size` / `pipeline_parallel_size` ask for more, with a
+placement group of one GPU bundle per shard. `batch_size` x `max_concurrent_batches` (default 16 x 8 = 128 rows
+in flight per replica) should reach `max_num_seqs`; the operator warns when it cannot.
+"""
+
+
+def load_section(l: dict | None) -> str:
+    if l is None:
+        return "## Load: deferred operators at once\n\n" + _missing("load")
+    lag = l["trigger_loop_lag_ms"]
+    return f"""## Load: {l['operators']} deferred operators at once
+
+{l['operators']} HttpLLMBatchOperator tasks ({l['rows_per_job']} rows each) submitted and deferred in
+{l['submit_and_defer_s']} s; their triggers waited in one event loop, as in Airflow's triggerer, while the
+cluster ran {l['driver_slots']} drivers at a time (`entrypoint_resources`). All triggers fired after
+{l['all_triggers_fired_s']} s; jobs succeeded: {l['jobs_succeeded']}/{l['operators']}; Ray jobs:
+{l['ray_jobs']} ({l['jobs_submitted_twice']} submitted twice); complete outputs: {l['outputs_complete']}.
+Event-loop lag while waiting: median {lag['median']} ms, p99 {lag['p99']} ms, max {lag['max']} ms.
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--date")
+    args = parser.parse_args()
+    day = args.date or latest_date()
+    parts = load_parts(day)
+    http, engine, scale, load = (parts.get(p) for p in PARTS)
+    merged: dict = {"date": day, "parts": sorted(parts)}
+    if engine:
+        merged.update(
+            provider_overhead_ratio=engine["provider_overhead_ratio"],
+            engine_efficiency_ratio=engine["engine_efficiency_ratio"],
+            airflow_worker_slot_s=engine["airflow_worker_slot_s"],
+        )
+        plot_engine(engine)
+    if http:
+        merged.update(
+            http_vs_ray_processor_ratio=http["http_vs_ray_processor_ratio"],
+            http_vs_asyncio_ratio=http["http_vs_asyncio_ratio"],
+        )
+        plot_http(http)
+    if scale:
+        merged["scale"] = [
+            {k: p[k] for k in ("rows", "rows_per_s", "driver_peak_mb", "worker_peak_mb")} for p in scale["scale"]
+        ]
+        plot_scale(scale)
+    if load:
+        merged["load"] = {k: v for k, v in load.items() if k != "date"}
+    merged["gpu_projection"] = gpu_projection()
+    merged["settings"] = {p: {k: v for k, v in parts[p].items() if k not in ("runs", "methods", "scale")} for p in parts}
+    merged["versions"] = next((parts[p]["versions"] for p in parts if "versions" in parts[p]), {})
+    out = RESULTS / f"{day}.json"
+    out.write_text(json.dumps(merged, indent=2))
+    versions = merged["versions"]
+    text = f"""# Performance
+
+Figures from `make bench` on {day} (2 CPUs, no GPU; Ray {versions.get('ray', '?')}, vLLM
+{versions.get('vllm', '?')}). Timings on this machine are noisy: every comparison runs in interleaved rounds
+and reports the median and the spread. Raw numbers: `{out.relative_to(REPO)}` (merged) and the
+`{day}-*.json` files beside it.
+
+{engine_section(engine)}
+{http_section(http)}
+{scale_section(scale)}
+{load_section(load)}
+{gpu_section()}"""
+    (REPO / "docs" / "PERFORMANCE.md").write_text(text)
+    print(f"wrote {out.relative_to(REPO)} and docs/PERFORMANCE.md ({', '.join(sorted(parts)) or 'no parts'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
