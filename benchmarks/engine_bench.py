@@ -24,13 +24,14 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.common import bench_home  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 
 
@@ -220,10 +221,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    home = Path(tempfile.mkdtemp(prefix="rayllm-engine-bench-"))
-    os.environ.setdefault("AIRFLOW_HOME", str(home / "airflow"))
-    os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    home = bench_home("engine-bench")
 
     import ray
     import vllm

@@ -18,13 +18,14 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.common import LOG_DIR, bench_home  # noqa: E402
 
 DRIVER_RESOURCE = "rayllm_driver"
 
@@ -66,10 +67,7 @@ def main() -> int:
     parser.add_argument("--poll-interval", type=float, default=2.0)
     args = parser.parse_args()
 
-    home = Path(tempfile.mkdtemp(prefix="rayllm-load-"))
-    os.environ.setdefault("AIRFLOW_HOME", str(home / "airflow"))
-    os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    home = bench_home("load")
 
     from airflow.sdk.exceptions import TaskDeferred
 
@@ -79,8 +77,7 @@ def main() -> int:
     from tests.integration.helpers import StandInTI, read_rows, write_jsonl
     from tests.integration.services import echo_server
 
-    log_dir = REPO / "benchmarks" / "results" / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = LOG_DIR
     cluster = LocalRayCluster(state_dir=home / "ray", num_cpus=2, resources={DRIVER_RESOURCE: args.driver_slots})
     info = cluster.start()
     try:

@@ -15,7 +15,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from datetime import date
@@ -23,6 +22,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.common import LOG_DIR, bench_home  # noqa: E402
 
 
 class PeakRss:
@@ -77,10 +78,7 @@ def main() -> int:
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
-    home = Path(tempfile.mkdtemp(prefix="rayllm-scale-"))
-    os.environ.setdefault("AIRFLOW_HOME", str(home / "airflow"))
-    os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    home = bench_home("scale")
 
     import ray
 
@@ -89,8 +87,7 @@ def main() -> int:
     from tests.integration.helpers import StandInTI
     from tests.integration.services import echo_server
 
-    log_dir = REPO / "benchmarks" / "results" / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = LOG_DIR
     cluster = LocalRayCluster(state_dir=home / "ray", num_cpus=2)
     info = cluster.start()
     points = []
