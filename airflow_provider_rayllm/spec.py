@@ -54,6 +54,11 @@ def uri_scheme(uri: str) -> str:
     return match.group(1).lower() if match else "file"
 
 
+def is_local_path(value: str) -> bool:
+    """An explicit path (absolute, relative with ./ or ../, ~, or file://), not a model id or bucket URI."""
+    return value.startswith(("/", "./", "../", "~", "file://"))
+
+
 def _check_uri(field: str, uri: str) -> str:
     if not isinstance(uri, str) or not uri.strip():
         raise ValueError(f"{field} must be a non-empty path or URI, got {uri!r}")

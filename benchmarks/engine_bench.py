@@ -250,11 +250,10 @@ def main() -> int:
                 runs[kind].append(result)
                 shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}
                 print(f"round {round_no + 1} {kind}: {shown}", flush=True)
-            summarize(args, bench, runs)  # a stopped run still leaves its finished rounds
+            results = summarize(args, bench, runs)  # a stopped run still leaves its finished rounds
     finally:
         cluster.stop()
 
-    results = summarize(args, bench, runs)
     print(json.dumps({k: results[k] for k in ("provider_overhead_ratio", "engine_efficiency_ratio")}))
     return 0
 

@@ -26,7 +26,6 @@ import pyarrow.parquet as pq
 
 from airflow_provider_rayllm.job import io
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.spec import uri_scheme
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 
@@ -63,20 +62,31 @@ class CheckpointStage:
 
 
 def write_rows(uri: str, rows: list[dict[str, Any]]) -> str:
-    """One whole parquet file under ``uri``; returns its path."""
-    fs, base = io.filesystem_for(uri)
-    table = pa.Table.from_pylist(rows)
-    name = f"{uuid.uuid4().hex}.parquet"
-    if uri_scheme(uri) == "file":
-        fs.create_dir(base, recursive=True)
-        final = posixpath.join(base, name)
-        tmp = posixpath.join(base, f".tmp-{name}")
-        pq.write_table(table, tmp, filesystem=fs)
-        fs.move(tmp, final)
-        return final
-    final = posixpath.join(base, name)
-    pq.write_table(table, final, filesystem=fs)
-    return final
+    """One whole parquet file under ``uri``; returns its URI."""
+    buffer = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(rows), buffer)
+    target = io.join(uri, f"{uuid.uuid4().hex}.parquet")
+    io.write_bytes_atomic(target, buffer.getvalue().to_pybytes())
+    return target
+
+
+def saving_as_they_finish(
+    good: Any,
+    batch_size: int,
+    infer: Callable[[Any], Any],
+    uri: str | None,
+    shape: Callable[[dict[str, Any]], dict[str, Any]],
+    failed: Callable[[dict[str, Any]], bool],
+    light: dict[str, Any],
+) -> Any:
+    """``infer(good)``; with ``uri``, each finished batch's good rows are saved there as they finish.
+
+    A stage sees a block when the stage before emits it, so the input is cut into blocks of one batch.
+    """
+    if not uri:
+        return infer(good)
+    raw = infer(good.repartition(target_num_rows_per_block=batch_size))
+    return raw.map_batches(CheckpointStage(uri, shape, failed), batch_format="numpy", batch_size=None, **light)
 
 
 def earlier_generations(generations_uri: str, submission_id: str) -> list[str]:
@@ -109,11 +119,7 @@ def read_saved(uris: list[str], id_column: str) -> pa.Table | None:
     table = pa.concat_tables(tables, promote_options="permissive")
     if id_column not in table.column_names:
         raise JobError(f"saved rows have no id column {id_column!r}; columns: {table.column_names!r}")
-    ids = table.column(id_column).to_pylist()
-    seen: set[Any] = set()
-    keep = []
-    for i, value in enumerate(ids):
-        if value not in seen:
-            seen.add(value)
-            keep.append(i)
-    return table.take(keep) if len(keep) < len(ids) else table
+    first: dict[Any, int] = {}
+    for i, value in enumerate(table.column(id_column).to_pylist()):
+        first.setdefault(value, i)
+    return table if len(first) == table.num_rows else table.take(sorted(first.values()))

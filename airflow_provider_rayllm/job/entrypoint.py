@@ -142,14 +142,9 @@ class VLLMPipeline:
     def infer(self, good: Any, checkpoint_uri: str | None) -> tuple[Any, Any]:
         processor = vllm_pipeline.build(self.p, self.profile, self.engine_kwargs, self.placement)
         shaper = Shaper(self.spec, self.package_dir)
-        if checkpoint_uri:
-            # A block is saved when the engine stage emits it: blocks of one batch save every batch.
-            good = good.repartition(target_num_rows_per_block=self.p.batch_size)
-        raw = processor(good)
-        if checkpoint_uri:
-            stage = checkpoint.CheckpointStage(checkpoint_uri, shaper.output, lambda r: bool(r.get(ENGINE_ERROR)))
-            raw = raw.map_batches(stage, batch_format="numpy", batch_size=None, **LIGHT)
-        raw = raw.materialize()
+        raw = checkpoint.saving_as_they_finish(
+            good, self.p.batch_size, processor, checkpoint_uri, shaper.output, lambda r: bool(r.get(ENGINE_ERROR)), LIGHT
+        ).materialize()
         outputs = raw.filter(lambda r: not r.get(ENGINE_ERROR), **LIGHT).map(shaper.output, **LIGHT).materialize()
         errors = raw.filter(lambda r: bool(r.get(ENGINE_ERROR)), **LIGHT).map(lambda r: error_row(r, ENGINE_ERROR), **LIGHT)
         return outputs, errors
@@ -204,8 +199,8 @@ class HttpPipeline:
 class Resume:
     """Rows an earlier generation of this run finished (``prompt.id_column``), and where this one saves its own."""
 
-    def __init__(self, id_column: str, uri: str, saved: Any, earlier: list[str]):
-        self.id_column, self.uri, self.saved, self.earlier = id_column, uri, saved, earlier
+    def __init__(self, id_column: str, uri: str, saved: Any):
+        self.id_column, self.uri, self.saved = id_column, uri, saved
         self.saved_rows = saved.num_rows if saved is not None else 0
 
     @classmethod
@@ -220,10 +215,13 @@ class Resume:
         )
         if saved is not None:
             _say("resume: %d row(s) finished by %s are not computed again", saved.num_rows, ", ".join(earlier))
-        return cls(id_column, checkpoint.checkpoint_uri(gen_uri), saved, earlier)
+        return cls(id_column, checkpoint.checkpoint_uri(gen_uri), saved)
 
-    def check_unique(self, ds: Any, rows_in: int) -> None:
-        distinct = len(ds.unique(self.id_column))
+    def check_unique(self, prepared: Any, rows_in: int) -> None:
+        """Ids are read from the prepared rows (already materialized), not from the source again."""
+        column = self.id_column
+        ids = prepared.map(lambda r: {column: (r[STASH] or {}).get(column)}, **LIGHT)
+        distinct = len(ids.unique(column))
         if distinct != rows_in:
             raise JobError(
                 f"prompt.id_column {self.id_column!r} must be unique per row: {rows_in} rows have "
@@ -311,7 +309,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     outputs = None
     todo = rows_in - unpromptable
     if resume is not None:
-        resume.check_unique(ds, rows_in)
+        resume.check_unique(prepared, rows_in)
         good, todo = resume.skip_finished(good)
 
     # 3. The engine or endpoint; per-row failures come back as error rows.

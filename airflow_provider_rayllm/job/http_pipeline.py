@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from airflow_provider_rayllm.job.checkpoint import CheckpointStage
+from airflow_provider_rayllm.job.checkpoint import saving_as_they_finish
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.http_client import EndpointClient
 from airflow_provider_rayllm.job.prompts import REQUEST, STASH, error_row
@@ -135,20 +135,17 @@ def infer(
             "attempts": int(row["attempts"]),
         }
 
-    if checkpoint_uri:
-        # A block is saved when the callers emit it: blocks of one batch save every batch as it finishes.
-        good = good.repartition(target_num_rows_per_block=http.batch_size)
-    raw = good.map_batches(
-        HttpCaller,
-        fn_constructor_kwargs={"http_json": http.model_dump_json(), "output_column": output_column},
-        batch_size=http.batch_size,
-        concurrency=http.concurrency,
-        num_cpus=light["num_cpus"],
-        batch_format="numpy",
-    )
-    if checkpoint_uri:
-        stage = CheckpointStage(checkpoint_uri, output, lambda r: bool(r[CALL_ERROR]))
-        raw = raw.map_batches(stage, batch_format="numpy", batch_size=None, **light)
+    def call(rows: Any) -> Any:
+        return rows.map_batches(
+            HttpCaller,
+            fn_constructor_kwargs={"http_json": http.model_dump_json(), "output_column": output_column},
+            batch_size=http.batch_size,
+            concurrency=http.concurrency,
+            num_cpus=light["num_cpus"],
+            batch_format="numpy",
+        )
+
+    raw = saving_as_they_finish(good, http.batch_size, call, checkpoint_uri, output, lambda r: bool(r[CALL_ERROR]), light)
     raw = raw.materialize()
     outputs = raw.filter(lambda r: not r[CALL_ERROR], **light).map(output, **light).materialize()
     errors = raw.filter(lambda r: bool(r[CALL_ERROR]), **light).map(lambda r: error_row(r, CALL_ERROR), **light)

@@ -179,7 +179,7 @@ def list_files(uri: str) -> list[dict[str, Any]]:
     )
 
 
-def write_text_atomic(uri: str, text: str) -> None:
+def write_bytes_atomic(uri: str, data: bytes) -> None:
     """Readers never see half a file: local writes go through a rename, object stores put whole objects."""
     fs, path = filesystem_for(uri)
     parent = posixpath.dirname(path) if uri_scheme(uri) != "file" else os.path.dirname(path)
@@ -187,11 +187,15 @@ def write_text_atomic(uri: str, text: str) -> None:
     if uri_scheme(uri) == "file":
         tmp = path + ".tmp"
         with fs.open_output_stream(tmp) as out:
-            out.write(text.encode())
+            out.write(data)
         os.replace(tmp, path)
     else:
         with fs.open_output_stream(path) as out:
-            out.write(text.encode())
+            out.write(data)
+
+
+def write_text_atomic(uri: str, text: str) -> None:
+    write_bytes_atomic(uri, text.encode())
 
 
 def read_json(uri: str, env: Mapping[str, str] | None = None) -> dict[str, Any] | None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.prompts import engine_request
-from airflow_provider_rayllm.spec import VLLMProcessorSpec, uri_scheme
+from airflow_provider_rayllm.spec import VLLMProcessorSpec, is_local_path, uri_scheme
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 
@@ -141,8 +141,7 @@ def check_model_source(model_source: str) -> None:
                 f"model_source {model_source!r} has no config.json; upload the model there first (ModelUploadOperator)"
             )
         return
-    looks_local = model_source.startswith(("/", "./", "../", "~")) or scheme == "file"
-    if looks_local:
+    if is_local_path(model_source) or scheme == "file":
         path = os.path.expanduser(model_source.removeprefix("file://"))
         if not os.path.isdir(path):
             raise JobError(f"model_source {model_source!r} is not a folder on the cluster")

@@ -29,6 +29,7 @@ from airflow_provider_rayllm.spec import (
     AnySpec,
     RunSpec,
     SpecError,
+    uri_scheme,
     validate_body,
 )
 from airflow_provider_rayllm.triggers.ray_job import RayJobTrigger
@@ -75,7 +76,7 @@ def default_output_uri(base: str, dag_id: str, run_id: str, task_id: str, map_in
 
 def asset_uri(uri: str) -> str:
     """A path or bucket URI as an asset URI: local paths become file:// URIs."""
-    if "://" in uri:
+    if uri_scheme(uri) != "file" or uri.startswith("file://"):
         return uri
     return "file://" + os.path.abspath(os.path.expanduser(uri))
 

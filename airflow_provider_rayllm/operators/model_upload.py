@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from airflow_provider_rayllm.operators.base import RayLLMBatchBaseOperator
-from airflow_provider_rayllm.spec import RunSpec
+from airflow_provider_rayllm.spec import RunSpec, is_local_path, uri_scheme
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -59,7 +59,7 @@ class ModelUploadOperator(RayLLMBatchBaseOperator):
     def lineage_inputs(self) -> list[str]:
         # A Hugging Face id is not a location; a folder or bucket is.
         source = str(self.model_source)
-        return [source] if "://" in source or source.startswith(("/", "~", ".")) else []
+        return [source] if uri_scheme(source) != "file" or is_local_path(source) else []
 
     def _publish(self, context: Context, manifest: dict[str, Any]) -> None:
         context["ti"].xcom_push(key="output_uri", value=manifest["output_uri"])
