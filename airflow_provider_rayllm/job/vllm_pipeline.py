@@ -141,7 +141,7 @@ def check_model_source(model_source: str) -> None:
                 f"model_source {model_source!r} has no config.json; upload the model there first (ModelUploadOperator)"
             )
         return
-    if is_local_path(model_source) or scheme == "file":
+    if is_local_path(model_source):
         path = os.path.expanduser(model_source.removeprefix("file://"))
         if not os.path.isdir(path):
             raise JobError(f"model_source {model_source!r} is not a folder on the cluster")

@@ -39,3 +39,18 @@ def test_underfed_engine_warning():
     )
     assert vllm_pipeline.warn_if_underfed(spec(batch_size=32, max_concurrent_batches=8), {"max_num_seqs": 256}) is None
     assert vllm_pipeline.warn_if_underfed(spec(), {}) is None
+
+
+def test_model_source_check_refuses_missing_folders_and_leaves_hub_ids_to_the_engine(tmp_path):
+    import pytest
+
+    from airflow_provider_rayllm.job.errors import JobError
+
+    # A Hugging Face id is downloaded by the engine; it is not a folder to look for on the cluster.
+    vllm_pipeline.check_model_source("HuggingFaceTB/SmolLM2-135M-Instruct")
+    for missing in (str(tmp_path / "nope"), "./no-such-model", f"file://{tmp_path}/nope"):
+        with pytest.raises(JobError, match="is not a folder on the cluster"):
+            vllm_pipeline.check_model_source(missing)
+    (tmp_path / "m").mkdir()
+    with pytest.raises(JobError, match="has no config.json"):
+        vllm_pipeline.check_model_source(str(tmp_path / "m"))
