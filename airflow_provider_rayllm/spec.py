@@ -19,6 +19,7 @@ MANIFEST_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MANIFEST_LOG_PREFIX = "RAYLLM_MANIFEST "
 ERROR_LOG_PREFIX = "RAYLLM_ERROR "
+PROGRESS_LOG_PREFIX = "RAYLLM_PROGRESS "
 
 # Columns our job adds to every output row; input columns with these names are refused.
 OUTPUT_TOKENS_IN = "num_input_tokens"

@@ -4,7 +4,7 @@ With ``prompt.id_column`` set, a stage right after the engine (or the endpoint c
 finished batch's successful rows, already shaped as output rows, to
 ``_generations/<submission id>/checkpoint/<uuid>.parquet``. A job stopped or failed midway leaves those
 files behind, unpublished. The next generation of the same task instance and settings (same submission
-id up to ``-g<N>``) reads the ids in them, sends only the other rows to the engine, and publishes the
+id up to ``-g<N>``, and newer than the published generation, if any) reads the ids in them, sends only the other rows to the engine, and publishes the
 saved rows together with the new ones. Error rows are not saved: a retry tries them again.
 
 Each file is written whole (a rename on local disks, a single PUT on object stores), so a stop in the
@@ -70,35 +70,24 @@ def write_rows(uri: str, rows: list[dict[str, Any]]) -> str:
     return target
 
 
-def saving_as_they_finish(
-    good: Any,
-    batch_size: int,
-    infer: Callable[[Any], Any],
-    uri: str | None,
-    shape: Callable[[dict[str, Any]], dict[str, Any]],
-    failed: Callable[[dict[str, Any]], bool],
-    light: dict[str, Any],
-) -> Any:
-    """``infer(good)``; with ``uri``, each finished batch's good rows are saved there as they finish.
+def earlier_generations(generations_uri: str, submission_id: str, published: str | None = None) -> list[str]:
+    """Names of this task instance's earlier unpublished generations with the same settings, oldest first.
 
-    A stage sees a block when the stage before emits it, so the input is cut into blocks of one batch.
+    Only generations after the ``published`` one count: a run that finished and is run again on purpose
+    (a cleared task, a second backfill) computes every row again, since its input may have changed.
     """
-    if not uri:
-        return infer(good)
-    raw = infer(good.repartition(target_num_rows_per_block=batch_size))
-    return raw.map_batches(CheckpointStage(uri, shape, failed), batch_format="numpy", batch_size=None, **light)
-
-
-def earlier_generations(generations_uri: str, submission_id: str) -> list[str]:
-    """Names of this task instance's earlier generations with the same settings, oldest first."""
     match = _GENERATION.match(submission_id)
     if not match:
         return []
     base, current = match.group("base"), int(match.group("n"))
+    after = -1
+    done = _GENERATION.match(published or "")
+    if done and done.group("base") == base:
+        after = int(done.group("n"))
     found: list[tuple[int, str]] = []
     for name in io.list_subdirs(generations_uri):
         m = _GENERATION.match(name)
-        if m and m.group("base") == base and int(m.group("n")) < current:
+        if m and m.group("base") == base and after < int(m.group("n")) < current:
             found.append((int(m.group("n")), name))
     return [name for _, name in sorted(found)]
 

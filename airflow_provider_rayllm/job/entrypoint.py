@@ -15,7 +15,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from airflow_provider_rayllm.job import checkpoint, io, manifest, secrets, sql, vllm_pipeline
+from airflow_provider_rayllm.job import checkpoint, io, manifest, progress, secrets, sql, vllm_pipeline
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.prompts import (
     PRE_ERROR,
@@ -48,6 +48,11 @@ LIGHT = {"num_cpus": 0.2}
 def _say(msg: str, *args: Any) -> None:
     log.info(msg, *args)
     sys.stdout.flush()
+
+
+def _print(line: str) -> None:
+    """A machine-read line (progress), printed bare so the operator finds it at the start of a line."""
+    print(line, flush=True)
 
 
 class Shaper:
@@ -139,11 +144,12 @@ class VLLMPipeline:
             return LoraRouting(p.model_source, p.dynamic_lora_loading_path, p.lora_adapters)
         return None
 
-    def infer(self, good: Any, checkpoint_uri: str | None) -> tuple[Any, Any]:
+    def infer(self, good: Any, rows: int, checkpoint_uri: str | None, watch: progress.ProgressLog) -> tuple[Any, Any]:
         processor = vllm_pipeline.build(self.p, self.profile, self.engine_kwargs, self.placement)
         shaper = Shaper(self.spec, self.package_dir)
-        raw = checkpoint.saving_as_they_finish(
-            good, self.p.batch_size, processor, checkpoint_uri, shaper.output, lambda r: bool(r.get(ENGINE_ERROR)), LIGHT
+        save = checkpoint.CheckpointStage(checkpoint_uri, shaper.output, lambda r: bool(r.get(ENGINE_ERROR))) if checkpoint_uri else None
+        raw = progress.watched(
+            good, rows, self.p.batch_size, processor, watch, ENGINE_ERROR, OUTPUT_TOKENS_OUT, save, LIGHT
         ).materialize()
         outputs = raw.filter(lambda r: not r.get(ENGINE_ERROR), **LIGHT).map(shaper.output, **LIGHT).materialize()
         errors = raw.filter(lambda r: bool(r.get(ENGINE_ERROR)), **LIGHT).map(lambda r: error_row(r, ENGINE_ERROR), **LIGHT)
@@ -177,10 +183,10 @@ class HttpPipeline:
     def lora(self) -> None:
         return None
 
-    def infer(self, good: Any, checkpoint_uri: str | None) -> tuple[Any, Any]:
+    def infer(self, good: Any, rows: int, checkpoint_uri: str | None, watch: progress.ProgressLog) -> tuple[Any, Any]:
         from airflow_provider_rayllm.job import http_pipeline
 
-        return http_pipeline.infer(good, self.http, self.spec.prompt.output_column, LIGHT, checkpoint_uri)
+        return http_pipeline.infer(good, rows, self.http, self.spec.prompt.output_column, LIGHT, watch, checkpoint_uri)
 
     def details(self, input_tokens: int, output_tokens: int) -> dict[str, Any]:
         from airflow_provider_rayllm.job import http_pipeline
@@ -209,7 +215,10 @@ class Resume:
         if not id_column:
             return None
         generations = io.join(spec.sink.uri, manifest.GENERATIONS)
-        earlier = checkpoint.earlier_generations(generations, submission_id)
+        published = manifest.read(spec.sink.uri)
+        earlier = checkpoint.earlier_generations(
+            generations, submission_id, (published or {}).get("submission_id")
+        )
         saved = checkpoint.read_saved(
             [checkpoint.checkpoint_uri(io.join(generations, name)) for name in earlier], id_column
         )
@@ -314,7 +323,8 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
 
     # 3. The engine or endpoint; per-row failures come back as error rows.
     if todo:
-        outputs, call_errors = pipeline.infer(good, resume.uri if resume is not None else None)
+        with progress.ProgressLog(todo, _print) as watch:
+            outputs, call_errors = pipeline.infer(good, todo, resume.uri if resume is not None else None, watch)
         errors = call_errors.union(errors)
     if resume is not None:
         outputs = resume.with_saved(outputs)

@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from airflow_provider_rayllm.job.checkpoint import saving_as_they_finish
+from airflow_provider_rayllm.job.checkpoint import CheckpointStage
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.http_client import EndpointClient
+from airflow_provider_rayllm.job.progress import ProgressLog, watched
 from airflow_provider_rayllm.job.prompts import REQUEST, STASH, error_row
 from airflow_provider_rayllm.spec import OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, HttpProcessorSpec
 
@@ -119,7 +120,13 @@ def check(http: HttpProcessorSpec) -> None:
 
 
 def infer(
-    good: Any, http: HttpProcessorSpec, output_column: str, light: dict[str, Any], checkpoint_uri: str | None = None
+    good: Any,
+    rows: int,
+    http: HttpProcessorSpec,
+    output_column: str,
+    light: dict[str, Any],
+    progress: ProgressLog,
+    checkpoint_uri: str | None = None,
 ) -> tuple[Any, Any]:
     """(output rows, error rows), each with its own schema; finished rows saved under checkpoint_uri if given."""
 
@@ -145,8 +152,8 @@ def infer(
             batch_format="numpy",
         )
 
-    raw = saving_as_they_finish(good, http.batch_size, call, checkpoint_uri, output, lambda r: bool(r[CALL_ERROR]), light)
-    raw = raw.materialize()
+    save = CheckpointStage(checkpoint_uri, output, lambda r: bool(r[CALL_ERROR])) if checkpoint_uri else None
+    raw = watched(good, rows, http.batch_size, call, progress, CALL_ERROR, OUTPUT_TOKENS_OUT, save, light).materialize()
     outputs = raw.filter(lambda r: not r[CALL_ERROR], **light).map(output, **light).materialize()
     errors = raw.filter(lambda r: bool(r[CALL_ERROR]), **light).map(lambda r: error_row(r, CALL_ERROR), **light)
     return outputs, errors

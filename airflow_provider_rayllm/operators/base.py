@@ -19,6 +19,7 @@ from airflow.sdk import BaseOperator, conf
 
 from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayLLMError
 from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, OutageClock, RayJobHook, lost_message
+from airflow_provider_rayllm.job import progress
 from airflow_provider_rayllm.job.secrets import SECRETS_FILE, SETUP_HOOK
 from airflow_provider_rayllm.job.sql import SINK_SQL_URI_ENV, SQL_URI_ENV
 from airflow_provider_rayllm.operators import credentials
@@ -326,7 +327,10 @@ class RayLLMBatchBaseOperator(BaseOperator):
                 logs = ""
             if len(logs) > printed:
                 for line in logs[printed:].splitlines():
-                    if line.strip() and not line.startswith(MANIFEST_LOG_PREFIX):
+                    done = progress.parse(line)
+                    if done is not None:
+                        self.log.info("Progress: %s", progress.describe(done))
+                    elif line.strip() and not line.startswith(MANIFEST_LOG_PREFIX):
                         self.log.info("[ray] %s", line)
                 printed = len(logs)
             status = str(info["status"])

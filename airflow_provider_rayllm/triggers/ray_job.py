@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_provider_rayllm.hooks.ray_job import TERMINAL_STATES, OutageClock, RayJobHook, lost_message
+from airflow_provider_rayllm.job import progress
 
 
 class RayJobTrigger(BaseTrigger):
@@ -15,7 +17,9 @@ class RayJobTrigger(BaseTrigger):
 
     Event payload: ``status`` (a Ray job status, ``LOST`` when the cluster no longer knows the job,
     or ``ERROR``), ``submission_id``, ``message``. A Jobs API that stops answering is retried until
-    ``unreachable_timeout`` seconds pass without an answer.
+    ``unreachable_timeout`` seconds pass without an answer. Every ``progress_interval`` seconds the newest
+    progress line of the job log (rows done of total, tokens/s) goes to the trigger's log, which Airflow
+    shows in the task log.
     """
 
     def __init__(
@@ -25,8 +29,10 @@ class RayJobTrigger(BaseTrigger):
         ray_conn_id: str = RayJobHook.default_conn_name,
         poll_interval: float = 5.0,
         unreachable_timeout: float = 600.0,
+        progress_interval: float = 30.0,
     ) -> None:
         super().__init__()
+        self.progress_interval = progress_interval
         self.submission_id = submission_id
         self.ray_conn_id = ray_conn_id
         self.poll_interval = poll_interval
@@ -40,6 +46,7 @@ class RayJobTrigger(BaseTrigger):
                 "ray_conn_id": self.ray_conn_id,
                 "poll_interval": self.poll_interval,
                 "unreachable_timeout": self.unreachable_timeout,
+                "progress_interval": self.progress_interval,
             },
         )
 
@@ -49,9 +56,22 @@ class RayJobTrigger(BaseTrigger):
     def _event(self, status: str, message: str) -> TriggerEvent:
         return TriggerEvent({"status": status, "submission_id": self.submission_id, "message": message})
 
+    async def _log_progress(self, hook: RayJobHook, shown: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            latest = progress.last_in(await hook.aget_job_logs(self.submission_id))
+        except Exception as exc:  # logs are a courtesy; the status decides
+            self.log.debug("could not read the job log: %s", exc)
+            return shown
+        if latest is not None and latest != shown:
+            self.log.info("Ray job %s progress: %s", self.submission_id, progress.describe(latest))
+            return latest
+        return shown
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
         clock = OutageClock(self.submission_id, self.unreachable_timeout)
+        shown: dict[str, Any] | None = None
+        next_progress = time.monotonic() + self.progress_interval
         try:
             while True:
                 try:
@@ -72,6 +92,9 @@ class RayJobTrigger(BaseTrigger):
                 if status in TERMINAL_STATES:
                     yield self._event(status, str(info.get("message") or ""))
                     return
+                if self.progress_interval > 0 and time.monotonic() >= next_progress:
+                    shown = await self._log_progress(hook, shown)
+                    next_progress = time.monotonic() + self.progress_interval
                 await asyncio.sleep(self.poll_interval)
         except Exception as exc:
             yield self._event("ERROR", f"{type(exc).__name__}: {exc}")

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import pytest_asyncio
+import structlog.testing
 from aiohttp import web
 
 from airflow_provider_rayllm.triggers.ray_job import RayJobTrigger
@@ -13,10 +14,15 @@ from tests.unit.local_http import start_app
 class JobsApi:
     """Answers GET /api/jobs/{id} from a script of (status_code, job_status) steps."""
 
-    def __init__(self, steps):
+    def __init__(self, steps, logs=()):
         self.steps = list(steps)
         self.calls = 0
         self.stopped = []
+        self.logs = list(logs)  # the job log as it reads after each status call
+
+    async def get_logs(self, request):
+        text = self.logs[min(self.calls, len(self.logs)) - 1] if self.logs and self.calls else ""
+        return web.json_response({"logs": text})
 
     async def get(self, request):
         self.calls += 1
@@ -39,6 +45,7 @@ async def serve(monkeypatch):
     async def start(api, token="secret-token"):
         app = web.Application()
         app.router.add_get("/api/jobs/{id}", api.get)
+        app.router.add_get("/api/jobs/{id}/logs", api.get_logs)
         app.router.add_post("/api/jobs/{id}/stop", api.stop)
         runner, port = await start_app(app)
         conn = {"conn_type": "ray", "host": f"http://127.0.0.1:{port}", "password": token}
@@ -122,3 +129,24 @@ async def test_on_kill_stops_the_job(serve):
     await serve(api)
     await trigger().on_kill()
     assert api.stopped == ["job-1"]
+
+
+def _progress(done, total, tokens):
+    body = {"rows_done": done, "rows_total": total, "rows_errored": 0, "tokens_out": tokens, "elapsed_s": 3.0, "tokens_per_s": 40.0}
+    return "RAYLLM_PROGRESS " + json.dumps(body)
+
+
+@pytest.mark.asyncio
+async def test_progress_lines_of_the_job_log_reach_the_trigger_log_once_each(serve):
+    noise = "(MapWorker pid=1) INFO engine things"
+    logs = [noise, f"{noise}\n{_progress(2, 8, 64)}", f"{noise}\n{_progress(2, 8, 64)}", f"{_progress(2, 8, 64)}\n{_progress(6, 8, 192)}"]
+    api = JobsApi([(200, "RUNNING")] * 4 + [(200, "SUCCEEDED")], logs=logs)
+    await serve(api)
+    with structlog.testing.capture_logs() as records:
+        (event,) = await collect(trigger(progress_interval=0.001))
+    assert event.payload["status"] == "SUCCEEDED"
+    shown = [r["event"] for r in records if "progress:" in r["event"]]
+    assert shown == [
+        "Ray job job-1 progress: 2/8 rows done (25%), 0 error row(s), 64 tokens out, 40.0 tokens/s, 3 s",
+        "Ray job job-1 progress: 6/8 rows done (75%), 0 error row(s), 192 tokens out, 40.0 tokens/s, 3 s",
+    ]
