@@ -59,6 +59,17 @@ def test_only_earlier_generations_of_the_same_settings_are_resumed(tmp_path):
     assert checkpoint.earlier_generations(str(gens / "missing"), "rayllm-d-t-abc-g5") == []
 
 
+def test_a_published_generation_and_those_before_it_are_not_resumed(tmp_path):
+    """A finished run cleared and run again computes its rows again; a crash after that resumes."""
+    gens = tmp_path / "_generations"
+    for name in ["rayllm-d-t-abc-g0", "rayllm-d-t-abc-g1", "rayllm-d-t-abc-g2"]:
+        (gens / name).mkdir(parents=True)
+    assert checkpoint.earlier_generations(str(gens), "rayllm-d-t-abc-g2", "rayllm-d-t-abc-g1") == []
+    assert checkpoint.earlier_generations(str(gens), "rayllm-d-t-abc-g3", "rayllm-d-t-abc-g1") == ["rayllm-d-t-abc-g2"]
+    # A manifest of other settings (another base) does not hide this base's generations.
+    assert checkpoint.earlier_generations(str(gens), "rayllm-d-t-abc-g2", "rayllm-d-t-xyz-g7") == ["rayllm-d-t-abc-g0", "rayllm-d-t-abc-g1"]
+
+
 def _spec(**prompt):
     return {
         "kind": "http",
