@@ -216,8 +216,8 @@ def summarize(args: argparse.Namespace, bench: Bench, runs: dict[str, list[dict]
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", type=int, default=96)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 

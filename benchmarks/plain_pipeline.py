@@ -39,7 +39,9 @@ def main() -> None:
         preprocess_map_kwargs=light,
         postprocess_map_kwargs=light,
     )
-    ds = processor(ray.data.read_json(input_path, lines=True))
+    # The read task asks for a whole CPU by default; beside the engine (1 CPU) and the light stages
+    # (3 x 0.2) a 2-core cluster has none left for it, and the job waits forever.
+    ds = processor(ray.data.read_json(input_path, lines=True, ray_remote_args=light))
     ds.write_parquet(output_dir)
     print(f"PLAIN_DONE {time.time() - started:.3f}", flush=True)
 
