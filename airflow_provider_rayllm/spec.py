@@ -396,6 +396,7 @@ class RunSpec(_Strict):
     task_id: str = ""
     map_index: int = -1
     try_number: int = 0
+    clear_number: int = 0  # the dag run's: raised by Airflow each time the run's tasks are cleared
 
 
 class JobSpec(_Strict):

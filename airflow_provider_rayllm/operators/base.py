@@ -42,6 +42,7 @@ ENTRYPOINT = "python -m airflow_provider_rayllm.job spec.json"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MAX_GENERATIONS = 100
 METADATA_OUTPUT_URI = "rayllm_output_uri"
+METADATA_CLEAR_NUMBER = "airflow_clear_number"
 
 # Spec paths shown as the operator argument a user wrote; other sections' fields keep their own names.
 _ARG_NAMES = {
@@ -158,6 +159,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
             task_id=ti.task_id,
             map_index=-1 if map_index is None else int(map_index),
             try_number=int(getattr(ti, "try_number", 0) or 0),
+            clear_number=int(getattr(context.get("dag_run"), "clear_number", 0) or 0),
         )
 
     def resolve_output_uri(self, run: RunSpec) -> str:
@@ -191,8 +193,13 @@ class RayLLMBatchBaseOperator(BaseOperator):
             raise InvalidSpec(f"{self.task_id}: invalid settings: {format_validation_error(exc, user_field)}") from None
 
     # --- submit / attach ------------------------------------------------------------------------
-    def _resolve_generation(self, base_id: str) -> tuple[str, str]:
-        """('attach' | 'submit', submission_id): re-attach to a live or finished job; new generation after failure."""
+    def _resolve_generation(self, base_id: str, clear_number: int = 0) -> tuple[str, str]:
+        """('attach' | 'submit', submission_id).
+
+        A retry re-attaches to a live or finished job; a new generation runs after a failed or stopped
+        one, and after a finished one when the run was cleared since (a user's rerun, a backfill that
+        reprocesses: the input may have changed, so the rows are computed again).
+        """
         last: tuple[str, dict[str, Any]] | None = None
         for generation in range(MAX_GENERATIONS):
             sid = f"{base_id}-g{generation}"
@@ -201,8 +208,12 @@ class RayLLMBatchBaseOperator(BaseOperator):
                 if last is None:
                     return "submit", sid
                 prev_sid, prev = last
-                if prev["status"] in ACTIVE_STATES or prev["status"] == "SUCCEEDED":
+                if prev["status"] in ACTIVE_STATES:
                     return "attach", prev_sid
+                if prev["status"] == "SUCCEEDED":
+                    cleared_at = int((prev.get("metadata") or {}).get(METADATA_CLEAR_NUMBER) or 0)
+                    if cleared_at >= clear_number:
+                        return "attach", prev_sid
                 return "submit", sid
             last = (sid, info)
         raise RayLLMError(f"{base_id}: {MAX_GENERATIONS} generations already ran; refusing to submit another")
@@ -258,6 +269,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
             "airflow_run_id": spec.run.run_id,
             "airflow_task_id": spec.run.task_id,
             "airflow_map_index": str(spec.run.map_index),
+            METADATA_CLEAR_NUMBER: str(spec.run.clear_number),
         }
         try:
             self.hook.submit_job(
@@ -283,7 +295,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
             spec = self.build_spec(context, package_dir)
             run = spec.run
             base_id = submission_base_id(run.dag_id, run.run_id, run.task_id, run.map_index, spec.content_hash())
-            action, submission_id = self._resolve_generation(base_id)
+            action, submission_id = self._resolve_generation(base_id, run.clear_number)
             self.log.info("Output prefix %s; Ray submission %s (%s)", spec.output_uri, submission_id, action)
             if action == "submit":
                 self._submit(submission_id, spec, package_dir)

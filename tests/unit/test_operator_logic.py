@@ -16,7 +16,10 @@ class JobsOnRecord:
 
     def get_job_info(self, sid):
         status = self.statuses.get(sid)
-        return None if status is None else {"status": status, "message": ""}
+        if status is None:
+            return None
+        status, cleared = status if isinstance(status, tuple) else (status, 0)
+        return {"status": status, "message": "", "metadata": {"airflow_clear_number": str(cleared)}}
 
     def get_job_logs(self, sid):
         return "line 1\nRAYLLM_ERROR prompt needs column(s) ['q'] that the input lacks\nTraceback ..."
@@ -45,6 +48,25 @@ def test_generation_resolution(record, expected):
     op = operator()
     op.__dict__["hook"] = JobsOnRecord(record)
     assert op._resolve_generation("B") == expected
+
+
+@pytest.mark.parametrize(
+    "record, clear_number, expected",
+    [
+        # A retry of the same run (no clear since) re-attaches to the finished job...
+        ({"B-g0": ("SUCCEEDED", 1)}, 1, ("attach", "B-g0")),
+        # ...a run cleared since (a rerun, a reprocessing backfill) computes again...
+        ({"B-g0": "SUCCEEDED"}, 1, ("submit", "B-g1")),
+        ({"B-g0": "SUCCEEDED", "B-g1": ("SUCCEEDED", 1)}, 2, ("submit", "B-g2")),
+        # ...but a job still running is never doubled.
+        ({"B-g0": "RUNNING"}, 3, ("attach", "B-g0")),
+        ({"B-g0": "SUCCEEDED", "B-g1": ("FAILED", 1)}, 1, ("submit", "B-g2")),
+    ],
+)
+def test_a_cleared_run_computes_again_a_retried_one_attaches(record, clear_number, expected):
+    op = operator()
+    op.__dict__["hook"] = JobsOnRecord(record)
+    assert op._resolve_generation("B", clear_number) == expected
 
 
 class Ti:
