@@ -32,7 +32,12 @@ def connect(dialect: str, env_name: str = SQL_URI_ENV) -> Any:
         path = uri.removeprefix("sqlite:")
         if not os.path.exists(path):
             raise JobError(f"the SQLite database {path!r} does not exist on the cluster")
-        return sqlite3.connect(path)
+        conn = sqlite3.connect(path)
+        # SQLite has no hash function (nor CONCAT before 3.44) for Ray's sharded reads: ours.
+        conn.create_function(SQLITE_SHARD_HASH, 1, _stable_hash, deterministic=True)
+        if sqlite3.sqlite_version_info < (3, 44):
+            conn.create_function("CONCAT", -1, lambda *parts: "".join("" if p is None else str(p) for p in parts), deterministic=True)
+        return conn
     if dialect == "mysql":
         import pymysql
 
@@ -45,6 +50,25 @@ def connect(dialect: str, env_name: str = SQL_URI_ENV) -> Any:
             database=parts.path.lstrip("/") or None,
         )
     raise JobError(f"source.dialect {dialect!r} is not supported")
+
+
+SQLITE_SHARD_HASH = "rayllm_shard_hash"
+# Ray's sharded read asks each reader for `MOD(ABS(<hash>(<keys>)), n) = i`; Ray's default hash (MD5)
+# gives text on PostgreSQL and does not exist on SQLite, so each dialect gets one that yields a number.
+SHARD_HASH = {"postgresql": "hashtext", "mysql": "CRC32", "sqlite": SQLITE_SHARD_HASH}
+
+
+def _stable_hash(value: Any) -> int:
+    import zlib
+
+    return zlib.crc32(str(value).encode("utf-8"))
+
+
+def shard_keys_for(dialect: str, keys: list[str]) -> list[str]:
+    """PostgreSQL's hashtext takes text: each key is cast (CONCAT of several gives text too)."""
+    if dialect == "postgresql":
+        return [f"({key})::text" for key in keys]
+    return list(keys)
 
 
 def probe_columns(source: SqlSource) -> list[str]:
@@ -70,7 +94,14 @@ def read(source: SqlSource) -> Any:
 
     kwargs: dict[str, Any] = {}
     if source.shard_keys:
-        kwargs["shard_keys"] = source.shard_keys
+        kwargs["shard_keys"] = shard_keys_for(source.dialect, source.shard_keys)
+        kwargs["shard_hash_fn"] = SHARD_HASH.get(source.dialect, "MD5")
         if source.parallelism:
             kwargs["override_num_blocks"] = source.parallelism
-    return ray.data.read_sql(source.sql, functools.partial(connect, source.dialect), **kwargs)
+    try:
+        return ray.data.read_sql(source.sql, functools.partial(connect, source.dialect), **kwargs)
+    except ValueError as exc:  # Ray's own check of the sharded query, before any read task runs
+        raise JobError(
+            f"sql_shard_keys={source.shard_keys!r} with sql_parallelism={source.parallelism}: the "
+            f"{source.dialect} database cannot run the sharded query ({exc})"
+        ) from None
