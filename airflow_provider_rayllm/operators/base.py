@@ -23,7 +23,7 @@ from airflow_provider_rayllm.job import progress
 from airflow_provider_rayllm.job.secrets import SECRETS_FILE, SETUP_HOOK
 from airflow_provider_rayllm.job.sql import SINK_SQL_URI_ENV, SQL_URI_ENV
 from airflow_provider_rayllm.operators import credentials
-from airflow_provider_rayllm.links import RayJobLink
+from airflow_provider_rayllm.links import OUTPUT_URL_XCOM, OutputLink, RayJobLink, output_browser_url
 from airflow_provider_rayllm.spec import (
     ERROR_LOG_PREFIX,
     MANIFEST_LOG_PREFIX,
@@ -94,7 +94,7 @@ def submission_base_id(dag_id: str, run_id: str, task_id: str, map_index: int, s
 class RayLLMBatchBaseOperator(BaseOperator):
     """Base for operators that run one batch job on Ray and return its manifest."""
 
-    operator_extra_links = (RayJobLink(),)
+    operator_extra_links = (RayJobLink(), OutputLink())
     ui_color = "#e0f0ff"
 
     def __init__(
@@ -425,6 +425,14 @@ class RayLLMBatchBaseOperator(BaseOperator):
     def _publish(self, context: Context, manifest: dict[str, Any]) -> None:
         """Push the output location and say what the job did (batch jobs; the upload operator overrides)."""
         context["ti"].xcom_push(key="output_uri", value=manifest["outputs_uri"])
+        try:
+            secrets = self.job_secrets()
+        except Exception:  # a link is a courtesy
+            secrets = {}
+        custom = any(k in secrets for k in ("AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST"))
+        url = output_browser_url(manifest["outputs_uri"], custom_endpoint=custom)
+        if url:
+            context["ti"].xcom_push(key=OUTPUT_URL_XCOM, value=url)
         self.log.info(
             "Published %s: %d rows in, %d out, %d errors; tokens in/out %d/%d",
             manifest["output_uri"],

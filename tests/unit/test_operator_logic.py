@@ -288,3 +288,37 @@ def test_inputs_and_output_reach_airflows_hook_lineage_collector(monkeypatch):
     sql_op.__dict__["hook"] = JobsOnRecord({})
     sql_op._report_lineage({"output_uri": "/out", "submission_id": "C-g0", "rows_out": 1})
     assert collector2.collected_assets.inputs == [] and [a.asset.uri for a in collector2.collected_assets.outputs] == ["file:///out"]
+
+
+@pytest.mark.parametrize(
+    "uri, custom, expected",
+    [
+        ("s3://answers/daily/run 1/outputs", False, "https://s3.console.aws.amazon.com/s3/buckets/answers?prefix=daily%2Frun%201%2Foutputs%2F"),
+        ("gs://answers/daily/outputs/", False, "https://console.cloud.google.com/storage/browser/answers/daily/outputs"),
+        ("s3://answers", False, "https://s3.console.aws.amazon.com/s3/buckets/answers?prefix="),
+        ("s3://answers/daily", True, None),
+        ("/data/answers", False, None),
+        ("file:///data/answers", False, None),
+    ],
+)
+def test_output_link_points_at_a_console_only_for_real_buckets(uri, custom, expected):
+    from airflow_provider_rayllm.links import output_browser_url
+
+    assert output_browser_url(uri, custom_endpoint=custom) == expected
+
+
+def _manifest(outputs_uri):
+    return {"output_uri": outputs_uri.rsplit("/_generations", 1)[0], "outputs_uri": outputs_uri, "rows_in": 2, "rows_out": 2,
+            "rows_errored": 0, "input_tokens": 10, "output_tokens": 4, "errors_uri": ""}
+
+
+def test_publish_pushes_the_console_link_unless_the_bucket_is_behind_a_custom_endpoint(monkeypatch):
+    from airflow_provider_rayllm.links import OUTPUT_URL_XCOM
+
+    ti = Ti()
+    operator(output_uri="s3://answers/daily")._publish({"ti": ti}, _manifest("s3://answers/daily/_generations/g0/outputs"))
+    assert ti.xcom[OUTPUT_URL_XCOM].startswith("https://s3.console.aws.amazon.com/s3/buckets/answers?prefix=daily")
+    monkeypatch.setenv("AIRFLOW_CONN_MINIO", json.dumps({"conn_type": "aws", "login": "k", "password": "s", "extra": {"endpoint_url": "http://127.0.0.1:9000"}}))
+    ti = Ti()
+    operator(output_uri="s3://answers/daily", aws_conn_id="minio")._publish({"ti": ti}, _manifest("s3://answers/daily/_generations/g0/outputs"))
+    assert OUTPUT_URL_XCOM not in ti.xcom and ti.xcom["output_uri"].endswith("/outputs")
