@@ -370,6 +370,20 @@ class HttpProcessorSpec(_Strict):
         return self.qps / self.concurrency if self.qps else None
 
 
+class ServeProcessorSpec(_Strict):
+    """Requests to an LLM deployment already running on the cluster's Ray Serve (the guide's "batch
+    inference with a Serve deployment"): no engine starts in the job, and several jobs (or the turns of a
+    conversation, task after task) share the deployment's engine."""
+
+    deployment_name: str = Field(min_length=1, description="The Serve deployment's name.")
+    app_name: str = Field("default", min_length=1, description="The Serve application holding it.")
+    model: str = Field(min_length=1, description="Model id the deployment serves (its model_loading_config.model_id).")
+    endpoint: Literal["chat", "completions", "embeddings"] = Field("chat", description="Which OpenAI-style method to call.")
+    concurrency: int = Field(1, ge=1, description="Ray Data actors holding a handle to the deployment.")
+    batch_size: int = Field(16, ge=1, description="Rows handed to an actor at a time.")
+    request_timeout_s: float | None = Field(None, gt=0, description="A request slower than this becomes an error row.")
+
+
 class SinkSpec(_Strict):
     uri: str = Field(description="Output prefix (folder or bucket prefix) owned by this task instance.")
     format: SinkFormat = Field("parquet", description="parquet or jsonl.")
@@ -401,11 +415,12 @@ class RunSpec(_Strict):
 
 class JobSpec(_Strict):
     version: Literal[1] = Field(SPEC_VERSION, description="Spec version; the job refuses other versions.")
-    kind: Literal["vllm", "http"] = Field("vllm", description="Which pipeline the job runs.")
+    kind: Literal["vllm", "http", "serve"] = Field("vllm", description="Which pipeline the job runs.")
     source: Source
     prompt: PromptSpec
     processor: VLLMProcessorSpec | None = Field(None, description="vLLM engine settings (kind 'vllm').")
     http: HttpProcessorSpec | None = Field(None, description="Endpoint settings (kind 'http').")
+    serve: ServeProcessorSpec | None = Field(None, description="Serve deployment settings (kind 'serve').")
     sink: SinkSpec
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
     run: RunSpec = Field(default_factory=RunSpec)
@@ -421,8 +436,9 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
         p = self.prompt
-        if (self.kind == "vllm") != (self.processor is not None) or (self.kind == "http") != (self.http is not None):
-            raise ValueError(f"a {self.kind!r} job needs exactly its own settings section ('processor' or 'http')")
+        sections = {"vllm": self.processor, "http": self.http, "serve": self.serve}
+        if any((kind == self.kind) != (section is not None) for kind, section in sections.items()):
+            raise ValueError(f"a {self.kind!r} job needs exactly its own settings section ('processor', 'http' or 'serve')")
         if self.task_type != "generate" and p.messages_column is not None:
             raise ValueError(f"prompt.messages_column needs task_type 'generate', got {self.task_type!r}")
         if p.lora_column is not None and self.processor is None:
@@ -442,11 +458,14 @@ class JobSpec(_Strict):
     def task_type(self) -> str:
         if self.processor is not None:
             return self.processor.task_type
-        return "embed" if self.http is not None and self.http.endpoint == "embeddings" else "generate"
+        endpoint = self.http.endpoint if self.http is not None else self.serve.endpoint if self.serve is not None else ""
+        return "embed" if endpoint == "embeddings" else "generate"
 
     @property
     def model_name(self) -> str:
-        return self.processor.model_source if self.processor is not None else self.http.model  # type: ignore[union-attr]
+        if self.processor is not None:
+            return self.processor.model_source
+        return (self.http or self.serve).model  # type: ignore[union-attr]
 
     @property
     def output_uri(self) -> str:

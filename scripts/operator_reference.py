@@ -20,6 +20,9 @@ sys.path.insert(0, str(REPO))
 OUT = REPO / "docs" / "OPERATORS.md"
 
 OWN = {
+    "serve_deployment": "Name of an LLM deployment already running on the cluster's Ray Serve: rows go to it and no engine starts in the job (`model_source` is then the model id it serves).",
+    "serve_app": "The Serve application holding `serve_deployment`.",
+    "serve_request_timeout_s": "With `serve_deployment`: a request slower than this becomes an error row.",
     "ray_conn_id": "Airflow connection of type `ray`: the Jobs API address, token, TLS settings, output_base.",
     "output_uri": "Output prefix (folder, s3:// or gs://) for this task instance; default `{output_base}/{dag_id}/{run_id}/{task_id}[/map_N]`.",
     "output_format": "`parquet` or `jsonl` for the output and error files.",

@@ -202,6 +202,37 @@ class HttpPipeline:
         return {"aiohttp": aiohttp.__version__}
 
 
+class ServePipeline:
+    """Requests to an LLM deployment already running on the cluster's Ray Serve."""
+
+    def __init__(self, spec: JobSpec, package_dir: str):
+        assert spec.serve is not None
+        self.spec, self.serve = spec, spec.serve
+
+    def check(self) -> None:
+        from airflow_provider_rayllm.job import serve_pipeline
+
+        serve_pipeline.check(self.serve)
+        _say(
+            "Serve deployment %s of application %s (model %s); %d actor(s), batches of %d",
+            self.serve.deployment_name, self.serve.app_name, self.serve.model, self.serve.concurrency, self.serve.batch_size,
+        )
+
+    def lora(self) -> None:
+        return None
+
+    def infer(self, good: Any, rows: int, checkpoint_uri: str | None, watch: progress.ProgressLog) -> tuple[Any, Any]:
+        from airflow_provider_rayllm.job import serve_pipeline
+
+        return serve_pipeline.infer(good, rows, self.serve, self.spec.prompt.output_column, LIGHT, watch, checkpoint_uri)
+
+    def details(self, input_tokens: int, output_tokens: int) -> dict[str, Any]:
+        return {"serve_app": self.serve.app_name, "serve_deployment": self.serve.deployment_name}
+
+    def versions(self) -> dict[str, str]:
+        return {}
+
+
 class Resume:
     """Rows an earlier generation of this run finished (``prompt.id_column``), and where this one saves its own."""
 
@@ -256,8 +287,9 @@ class Resume:
         return saved if outputs is None else outputs.union(saved).materialize()
 
 
-def open_pipeline(spec: JobSpec, package_dir: str) -> VLLMPipeline | HttpPipeline:
-    return VLLMPipeline(spec, package_dir) if spec.kind == "vllm" else HttpPipeline(spec, package_dir)
+def open_pipeline(spec: JobSpec, package_dir: str) -> VLLMPipeline | HttpPipeline | ServePipeline:
+    pipelines = {"vllm": VLLMPipeline, "http": HttpPipeline, "serve": ServePipeline}
+    return pipelines[spec.kind](spec, package_dir)
 
 
 def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:

@@ -22,8 +22,13 @@ CALL_ERROR = "__rayllm_call_error"
 
 def payload_for(request: dict[str, Any], http: HttpProcessorSpec) -> dict[str, Any]:
     """Our request (messages/prompt + sampling params) as the endpoint's JSON body."""
+    return openai_body(request, http.endpoint, http.model)
+
+
+def openai_body(request: dict[str, Any], endpoint: str, model: str) -> dict[str, Any]:
+    """Our request as an OpenAI-style body for ``endpoint`` (chat/completions, completions, embeddings)."""
     if "payload" in request:  # the guide's preprocess returns dict(payload=...)
-        return {"model": http.model, **request["payload"]}
+        return {"model": model, **request["payload"]}
     params = {k: v for k, v in (request.get("sampling_params") or {}).items() if k != "structured_outputs"}
     structured = (request.get("sampling_params") or {}).get("structured_outputs")
     if structured:  # vLLM's OpenAI server reads these names
@@ -36,17 +41,18 @@ def payload_for(request: dict[str, Any], http: HttpProcessorSpec) -> dict[str, A
             params["structured_outputs"] = {"choice": structured["choice"]}
         if "regex" in structured:
             params["structured_outputs"] = {"regex": structured["regex"]}
-    if http.endpoint == "embeddings":
-        return {"model": http.model, "input": request.get("prompt", "")}
-    if http.endpoint == "completions":
+    if endpoint == "embeddings":
+        return {"model": model, "input": request.get("prompt", "")}
+    if endpoint == "completions":
         prompt = request.get("prompt")
         if prompt is None:
             prompt = "\n\n".join(str(m.get("content", "")) for m in request.get("messages", []))
-        return {"model": http.model, "prompt": prompt, **params}
-    return {"model": http.model, "messages": request["messages"], **params}
+        return {"model": model, "prompt": prompt, **params}
+    return {"model": model, "messages": request["messages"], **params}
 
 
-def _extract(body: dict[str, Any], endpoint: str) -> Any:
+def extract(body: dict[str, Any], endpoint: str) -> Any:
+    """The answer in an OpenAI-style response body: text, or the embedding."""
     if endpoint == "embeddings":
         return body["data"][0]["embedding"]
     choice = body["choices"][0]
@@ -95,7 +101,7 @@ class HttpCaller:
             row[CALL_ERROR] = f"HTTP {result.status}: {result.error}" if result.status else result.error
             return row
         try:
-            value = _extract(result.body or {}, self.http.endpoint)
+            value = extract(result.body or {}, self.http.endpoint)
         except (KeyError, IndexError, TypeError) as exc:
             row[CALL_ERROR] = f"unparsable response: missing {exc!r} in {json.dumps(result.body)[:200]}"
             return row

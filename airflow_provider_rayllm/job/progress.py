@@ -89,6 +89,15 @@ class Counter:
         return self.rows, self.errored, self.tokens
 
 
+def _count(value: Any) -> int:
+    """A token count from a batch column (None or NaN where a row has none) as an int."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return 0
+    return int(number) if math.isfinite(number) else 0
+
+
 class FinishedBatches:
     """map_batches stage: count the batch, save its good rows when resuming, pass it on unchanged."""
 
@@ -100,7 +109,7 @@ class FinishedBatches:
         errors = batch.get(self.error_column)
         failed = [bool(errors[i]) for i in range(n)] if errors is not None else [False] * n
         tokens = batch.get(self.tokens_column)
-        generated = sum(int(tokens[i] or 0) for i in range(n) if not failed[i]) if tokens is not None else 0
+        generated = sum(_count(tokens[i]) for i in range(n) if not failed[i]) if tokens is not None else 0
         if self.save is not None:
             self.save(batch)
         self.counter.add.remote(n, sum(failed), generated)

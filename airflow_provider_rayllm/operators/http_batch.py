@@ -100,6 +100,8 @@ class HttpLLMBatchOperator(VLLMBatchOperator):
         return env
 
     def spec_body(self, context: Context, output_uri: str, package_dir: Path) -> dict[str, Any]:
+        if self.serve_deployment:
+            raise InvalidSpec(f"{self.task_id}: serve_deployment is a VLLMBatchOperator setting; this operator calls http_conn_id")
         body = super().spec_body(context, output_uri, package_dir)
         base_url, _ = endpoint_from_connection(self.http_conn_id)
         body["kind"] = "http"

@@ -76,6 +76,10 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
     ``placement_group_config``, ``task_type``; the guide's ``apply_chat_template``, ``tokenize``,
     ``detokenize``, ``has_image`` and ``chat_template`` are accepted and mapped to Ray 2.60's stage
     configs.
+
+    With ``serve_deployment`` (and ``serve_app``), no engine starts in the job: the rows go to an LLM
+    deployment already running on the cluster's Ray Serve (the guide's "batch inference with a Serve
+    deployment"); ``model_source`` is then the model id the deployment serves.
     """
 
     template_fields: Sequence[str] = (
@@ -84,6 +88,8 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         "output_uri",
         "output_table",
         "model_source",
+        "serve_deployment",
+        "serve_app",
         "prompt_column",
         "prompt_template",
         "messages_column",
@@ -148,9 +154,15 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         detokenize: bool | None = None,
         has_image: bool | None = None,
         chat_template: str | None = None,
+        serve_deployment: str | None = None,
+        serve_app: str = "default",
+        serve_request_timeout_s: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.serve_deployment = serve_deployment
+        self.serve_app = serve_app
+        self.serve_request_timeout_s = serve_request_timeout_s
         self.input_uri = input_uri
         self.sql = sql
         self.sql_conn_id = sql_conn_id
@@ -250,7 +262,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
             "usage_stats": self.usage_stats,
             **stages,
         }
-        return {
+        body = {
             "kind": "vllm",
             "source": self.source_body(),
             "prompt": {
@@ -269,4 +281,35 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
             },
             "processor": processor,
             "limits": {"max_error_fraction": self.max_error_fraction, "max_rows": self.max_rows},
+        }
+        if self.serve_deployment:
+            body["kind"] = "serve"
+            body.pop("processor")
+            body["serve"] = self.serve_body()
+        return body
+
+    def serve_body(self) -> dict[str, Any]:
+        engine_only = {
+            "engine_kwargs": self.engine_kwargs,
+            "placement_group_config": self.placement_group_config,
+            "dynamic_lora_loading_path": self.dynamic_lora_loading_path,
+            "lora_column": self.lora_column,
+            "accelerator_type": self.accelerator_type,
+        }
+        given = sorted(name for name, value in engine_only.items() if value)
+        if given:
+            raise SpecError(
+                f"{', '.join(given)} configure an engine the job starts; with serve_deployment="
+                f"{self.serve_deployment!r} the deployment's own engine answers (configure it in its LLMConfig)"
+            )
+        if self.engine_task_type not in ("generate", "embed"):
+            raise SpecError(f"task_type={self.engine_task_type!r}: a Serve deployment answers 'generate' or 'embed'")
+        return {
+            "deployment_name": self.serve_deployment,
+            "app_name": self.serve_app,
+            "model": self.model_source,
+            "endpoint": "embeddings" if self.engine_task_type == "embed" else "chat",
+            "concurrency": self.concurrency if isinstance(self.concurrency, int) else max(self.concurrency),
+            "batch_size": self.batch_size,
+            "request_timeout_s": self.serve_request_timeout_s,
         }

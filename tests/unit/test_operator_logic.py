@@ -322,3 +322,51 @@ def test_publish_pushes_the_console_link_unless_the_bucket_is_behind_a_custom_en
     ti = Ti()
     operator(output_uri="s3://answers/daily", aws_conn_id="minio")._publish({"ti": ti}, _manifest("s3://answers/daily/_generations/g0/outputs"))
     assert OUTPUT_URL_XCOM not in ti.xcom and ti.xcom["output_uri"].endswith("/outputs")
+
+
+def test_a_serve_deployment_replaces_the_engine_section(tmp_path):
+    op = operator(model_source="smollm2", serve_deployment="llm", serve_app="chat_app", batch_size=8, serve_request_timeout_s=30)
+    spec = op.build_spec({"ti": Ti()}, tmp_path)
+    assert spec.kind == "serve" and spec.processor is None
+    assert spec.serve.model_dump() == {
+        "deployment_name": "llm", "app_name": "chat_app", "model": "smollm2", "endpoint": "chat",
+        "concurrency": 1, "batch_size": 8, "request_timeout_s": 30.0,
+    }
+    embed = operator(model_source="minilm", serve_deployment="emb", task_type="embed").build_spec({"ti": Ti()}, tmp_path)
+    assert embed.serve.endpoint == "embeddings" and embed.task_type == "embed"
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        ({"engine_kwargs": {"max_model_len": 512}}, "engine_kwargs"),
+        ({"placement_group_config": {"bundles": [{"CPU": 1}]}}, "placement_group_config"),
+        ({"task_type": "classify"}, "task_type='classify'"),
+    ],
+)
+def test_engine_settings_beside_a_serve_deployment_are_refused(tmp_path, settings, named):
+    op = operator(serve_deployment="llm", **settings)
+    with pytest.raises(InvalidSpec, match=named):
+        op.build_spec({"ti": Ti()}, tmp_path)
+
+
+def test_a_serve_job_needs_its_own_section():
+    from airflow_provider_rayllm.spec import SpecError, parse_spec
+
+    body = {"kind": "serve", "source": {"uris": ["/in.jsonl"]}, "prompt": {"prompt_column": "q"}, "sink": {"uri": "/out"},
+            "processor": {"model_source": "/m"}}
+    with pytest.raises(SpecError, match="'serve'"):
+        parse_spec(json.dumps(body))
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "embeddings"])
+def test_each_serve_method_has_a_request_model_ray_data_accepts(endpoint):
+    """ServeDeploymentProcessorConfig wants classes in dtype_mapping (the public EmbeddingRequest is a Union)."""
+    from ray.data.llm import ServeDeploymentProcessorConfig
+
+    from airflow_provider_rayllm.job.serve_pipeline import METHODS, request_class
+
+    _, dtype, _ = METHODS[endpoint]
+    cls = request_class(dtype)
+    assert cls.__name__ == dtype
+    ServeDeploymentProcessorConfig(deployment_name="d", dtype_mapping={dtype: cls})

@@ -1,0 +1,81 @@
+"""The guide's "batch inference with a Serve deployment": an LLM application on the test cluster's Ray
+Serve (SmolLM2 on the CPU engine), then dags_examples/example_serve_deployment.py's two chained tasks
+call it. Neither job starts an engine; the second reads the first's output through XCom.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.helpers import load_dag, read_rows, task_state, utc, xcom
+
+pytestmark = pytest.mark.integration
+
+APP, DEPLOYMENT, MODEL = "chat_app", "chat_llm", "smollm2"
+
+
+def _serve_app(ray_conn, test_home, *args: str) -> subprocess.CompletedProcess:
+    from airflow_provider_rayllm.local.cluster import LocalRayCluster
+
+    env = LocalRayCluster(state_dir=test_home / "ray").env()
+    env["RAY_ADDRESS"] = ray_conn["info"].gcs_address
+    return subprocess.run(
+        [sys.executable, "-m", "airflow_provider_rayllm.local.serve_app", *args],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+
+
+@pytest.fixture(scope="module")
+def serve_app(ray_conn, test_home, smollm2):
+    deployed = _serve_app(ray_conn, test_home, "deploy", "--model-id", MODEL, "--model-source", str(smollm2),
+                          "--app", APP, "--deployment", DEPLOYMENT, "--cpu")
+    assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-4000:]
+    yield APP
+    # The replica holds a CPU of the 2-core cluster: the other tests need it back.
+    removed = _serve_app(ray_conn, test_home, "delete", "--app", APP)
+    assert removed.returncode == 0, removed.stderr[-3000:]
+
+
+def _job_log(manifest) -> str:
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    return RayJobHook().get_job_logs(manifest["submission_id"])
+
+
+def test_two_chained_tasks_share_the_serve_deployment(serve_app, airflow_db):
+    dag = load_dag("dags_examples", "example_serve_deployment", "example_serve_deployment")
+    dag_run = dag.test(logical_date=utc(2026, 8, 20), run_after=utc(2026, 8, 20), run_conf={})
+    assert task_state(dag_run, "first_turn") == "success"
+    assert task_state(dag_run, "second_turn") == "success"
+    first = xcom(dag.dag_id, dag_run.run_id, "first_turn", "return_value")
+    second = xcom(dag.dag_id, dag_run.run_id, "second_turn", "return_value")
+    assert first["kind"] == second["kind"] == "serve"
+    assert first["rows_in"] == first["rows_out"] == 16 and first["rows_errored"] == 0
+    assert second["rows_in"] == second["rows_out"] == 16 and second["rows_errored"] == 0
+    answers = {r["id"]: r for r in read_rows(first["output_files"])}
+    assert all(r["response"].strip() for r in answers.values())
+    assert first["output_tokens"] == sum(r["num_generated_tokens"] for r in answers.values()) > 0
+    verdicts = read_rows(second["output_files"])
+    # The second step saw the first step's answers (kept beside its own output) and answered about them.
+    assert sorted(r["id"] for r in verdicts) == sorted(answers)
+    assert all(r["response"] == answers[r["id"]]["response"] and r["verdict"].strip() for r in verdicts)
+    # No engine started in either job: the deployment's engine answered.
+    for manifest in (first, second):
+        log = _job_log(manifest)
+        assert "vLLMEngineStageUDF" not in log and "ServeDeploymentStageUDF" in log
+
+
+def test_an_unknown_deployment_is_named_before_any_row_is_sent(serve_app, airflow_db):
+    dag = load_dag("dags_examples", "example_serve_deployment", "example_serve_deployment")
+    dag_run = dag.test(logical_date=utc(2026, 8, 21), run_after=utc(2026, 8, 21), run_conf={"serve_deployment": "no_such_llm"})
+    assert task_state(dag_run, "first_turn") == "failed"
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    hook = RayJobHook()
+    jobs = [j for j in hook.client.list_jobs() if (j.metadata or {}).get("airflow_run_id") == dag_run.run_id]
+    assert len(jobs) == 1
+    errors = [line for line in hook.get_job_logs(jobs[0].submission_id).splitlines() if line.startswith("RAYLLM_ERROR ")]
+    assert errors and "serve_deployment 'no_such_llm'" in errors[-1] and "'chat_llm'" in errors[-1]
