@@ -168,6 +168,11 @@ class PromptSpec(_Strict):
         description="Column with a unique id per row. With it, finished rows are saved as they finish, and a "
         "later attempt of the same run (after a stop or failure) skips them instead of recomputing.",
     )
+    image_column: str | None = Field(
+        None,
+        description="Column with an image per row (bytes, a path or s3:// / gs:// URI the cluster reads, or an "
+        "http(s) / data: URL) for a vision-language model; it goes into the user message before the text.",
+    )
 
     @model_validator(mode="after")
     def _one_way(self) -> PromptSpec:
@@ -181,6 +186,9 @@ class PromptSpec(_Strict):
                 "give exactly one of prompt_column, template, messages_column, preprocess; "
                 f"got {ways or 'none'}"
             )
+        if self.image_column is not None and (self.messages_column is not None or self.preprocess is not None):
+            raise ValueError("prompt.image_column works with prompt_column or template; with messages_column or "
+                             "preprocess, put the image in the messages yourself")
         if self.system_prompt is not None and self.messages_column is not None:
             raise ValueError("prompt.system_prompt cannot be combined with messages_column (put it in the messages)")
         if self.id_column is not None and self.keep_columns is not None and self.id_column not in self.keep_columns:
@@ -209,7 +217,7 @@ class PromptSpec(_Strict):
 
     def required_columns(self) -> list[str]:
         cols = set(self.template_columns())
-        for name in (self.prompt_column, self.messages_column, self.lora_column, self.id_column):
+        for name in (self.prompt_column, self.messages_column, self.lora_column, self.id_column, self.image_column):
             if name:
                 cols.add(name)
         return sorted(cols)
@@ -441,6 +449,8 @@ class JobSpec(_Strict):
             raise ValueError(f"a {self.kind!r} job needs exactly its own settings section ('processor', 'http' or 'serve')")
         if self.task_type != "generate" and p.messages_column is not None:
             raise ValueError(f"prompt.messages_column needs task_type 'generate', got {self.task_type!r}")
+        if p.image_column is not None and self.task_type != "generate":
+            raise ValueError(f"prompt.image_column needs task_type 'generate', got {self.task_type!r}")
         if p.lora_column is not None and self.processor is None:
             raise ValueError("prompt.lora_column is for vLLM jobs")
         if p.lora_column is not None and self.processor is not None:

@@ -20,6 +20,7 @@ sys.path.insert(0, str(REPO))
 OUT = REPO / "docs" / "OPERATORS.md"
 
 OWN = {
+    "image_column": "Column with an image per row (bytes, a cluster path or bucket URI, or an http(s)/data: URL) for a vision-language model; turns on the multimodal stage (the guide's `has_image=True`). A cell that is not a readable image becomes an error row.",
     "serve_deployment": "Name of an LLM deployment already running on the cluster's Ray Serve: rows go to it and no engine starts in the job (`model_source` is then the model id it serves).",
     "serve_app": "The Serve application holding `serve_deployment`.",
     "serve_request_timeout_s": "With `serve_deployment`: a request slower than this becomes an error row.",

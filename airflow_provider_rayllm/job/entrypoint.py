@@ -432,6 +432,9 @@ def main(argv: list[str]) -> int:
     spec_path = os.path.abspath(argv[0])
     package_dir = os.path.dirname(spec_path)
     submission_id = _submission_id()
+    from airflow_provider_rayllm.job import compat
+
+    compat.install()
     loaded = secrets.load_into_env(package_dir)
     if loaded:
         _say("secrets loaded into the environment: %s", loaded)

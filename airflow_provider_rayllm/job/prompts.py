@@ -103,6 +103,46 @@ class LoraRouting:
         return os.path.join(self.adapters_path, name) if self.local else name
 
 
+_IMAGE_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WEBP": "image/webp", "BMP": "image/bmp"}
+
+
+def image_url(value: Any) -> str:
+    """An image cell as a URL the engine's multimodal stage fetches: http(s) and data: URLs pass as they
+    are; bytes, paths and bucket URIs are read here, checked to be an image, and sent as a data: URL."""
+    import base64
+    import io as _io
+
+    if isinstance(value, dict) and "bytes" in value:  # the {bytes, path} struct of image datasets
+        value = value["bytes"] if value["bytes"] is not None else value.get("path")
+    if _is_empty(value):
+        raise ValueError("the image cell is empty")
+    if isinstance(value, str):
+        if value.startswith(("http://", "https://", "data:image/")):
+            return value
+        from airflow_provider_rayllm.job import io as job_io
+
+        fs, path = job_io.filesystem_for(value)
+        try:
+            with fs.open_input_stream(path) as stream:
+                value = stream.read()
+        except OSError as exc:
+            raise ValueError(f"image {value!r} cannot be read: {exc}") from None
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise ValueError(f"the image cell holds {type(value).__name__}, not bytes, a path or a URL")
+    data = bytes(value)
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(_io.BytesIO(data)) as image:
+            image.verify()
+            kind = _IMAGE_FORMATS.get(image.format or "")
+    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+        raise ValueError(f"not a readable image ({len(data)} bytes): {exc}") from None
+    if kind is None:
+        raise ValueError("image format is not one of PNG, JPEG, GIF, WEBP, BMP")
+    return f"data:{kind};base64,{base64.b64encode(data).decode('ascii')}"
+
+
 class RequestBuilder:
     """Row -> {stash, request JSON, error}. A row that cannot be turned into a request becomes an error row."""
 
@@ -154,7 +194,15 @@ class RequestBuilder:
                 messages = []
                 if p.system_prompt:
                     messages.append({"role": "system", "content": p.system_prompt})
-                messages.append({"role": "user", "content": self._text(row)})
+                text = self._text(row)
+                if p.image_column is not None:
+                    url = image_url(row.get(p.image_column))
+                    messages.append({"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": text},
+                    ]})
+                else:
+                    messages.append({"role": "user", "content": text})
             request["messages"] = messages
             request["sampling_params"] = normalize_sampling_params(p.sampling_params)
         else:

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from airflow_provider_rayllm.local.models import LORA_ADAPTER, MODELS_DIR
+from airflow_provider_rayllm.local.models import LORA_ADAPTER, MODELS_DIR, TINY_VLM
 
 DEMO_MODEL = MODELS_DIR / "SmolLM2-135M-Instruct"
 DEMO_LORA_DIR = MODELS_DIR / "lora"
@@ -11,6 +11,8 @@ DATA = Path(__file__).resolve().parent / "data"
 DEMO_INPUT = DATA / "questions.jsonl"
 DEMO_SENTENCES = DATA / "sentences.jsonl"
 DEMO_EXTRACTION = DATA / "extraction.jsonl"
+DEMO_IMAGES = DATA / "images.jsonl"
+DEMO_VLM = MODELS_DIR / TINY_VLM
 
 
 def embed_model() -> str:

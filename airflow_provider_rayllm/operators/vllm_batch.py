@@ -130,6 +130,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         lora_adapters: list[str] | None = None,
         keep_columns: list[str] | None = None,
         id_column: str | None = None,
+        image_column: str | None = None,
         task_type: str = "generate",
         engine_kwargs: dict[str, Any] | None = None,
         concurrency: int | tuple[int, int] = 1,
@@ -184,6 +185,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         self.lora_adapters = lora_adapters
         self.keep_columns = keep_columns
         self.id_column = id_column
+        self.image_column = image_column
         # BaseOperator already has a `task_type` property (the class name).
         self.engine_task_type = task_type
         self.engine_kwargs = engine_kwargs or {}
@@ -242,6 +244,9 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
 
     def spec_body(self, context: Context, output_uri: str, package_dir: Path) -> dict[str, Any]:
         stages = map_guide_flags({k: v for k, v in self.stage_settings.items() if v is not None})
+        if self.image_column and "prepare_multimodal_stage" not in stages:
+            # The guide's has_image=True: images reach the engine through Ray's multimodal stage.
+            stages["prepare_multimodal_stage"] = True
         processor: dict[str, Any] = {
             "model_source": self.model_source,
             "task_type": self.engine_task_type,
@@ -278,6 +283,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
                 "lora_column": self.lora_column,
                 "keep_columns": self.keep_columns,
                 "id_column": self.id_column,
+                "image_column": self.image_column,
             },
             "processor": processor,
             "limits": {"max_error_fraction": self.max_error_fraction, "max_rows": self.max_rows},

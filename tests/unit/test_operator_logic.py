@@ -370,3 +370,10 @@ def test_each_serve_method_has_a_request_model_ray_data_accepts(endpoint):
     cls = request_class(dtype)
     assert cls.__name__ == dtype
     ServeDeploymentProcessorConfig(deployment_name="d", dtype_mapping={dtype: cls})
+
+
+def test_an_image_column_turns_on_the_multimodal_stage_unless_configured(tmp_path):
+    spec = operator(image_column="img").build_spec({"ti": Ti()}, tmp_path)
+    assert spec.prompt.image_column == "img" and spec.processor.prepare_multimodal_stage is True
+    configured = operator(image_column="img", prepare_multimodal_stage={"num_cpus": 0.5}).build_spec({"ti": Ti()}, tmp_path)
+    assert configured.processor.prepare_multimodal_stage == {"num_cpus": 0.5}

@@ -116,3 +116,74 @@ def test_unknown_adapter_is_an_error_row():
     assert ok["model"] == "/adapters/a1"
     assert json.loads(builder({"q": "hi", "adapter": None})[REQUEST])["model"] == "/m"
     assert "not one of lora_adapters" in builder({"q": "hi", "adapter": "zz"})[PRE_ERROR]
+
+
+def _png(color=(200, 10, 10)) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_image_cells_become_data_urls_and_urls_pass_through(tmp_path):
+    import base64
+
+    from airflow_provider_rayllm.job.prompts import image_url
+
+    data = _png()
+    expected = "data:image/png;base64," + base64.b64encode(data).decode()
+    assert image_url(data) == expected
+    assert image_url({"bytes": data, "path": None}) == expected
+    (tmp_path / "a.png").write_bytes(data)
+    assert image_url(str(tmp_path / "a.png")) == expected
+    assert image_url("https://example.com/cat.jpg") == "https://example.com/cat.jpg"
+    assert image_url(expected) == expected
+
+
+@pytest.mark.parametrize(
+    "cell, message",
+    [
+        (b"\x89PNG not an image", "not a readable image"),
+        (None, "empty"),
+        (42, "holds int"),
+        ("/no/such/picture.png", "cannot be read"),
+    ],
+)
+def test_a_bad_image_cell_is_refused_with_its_reason(cell, message):
+    from airflow_provider_rayllm.job.prompts import image_url
+
+    with pytest.raises(ValueError, match=message):
+        image_url(cell)
+
+
+def test_the_image_goes_before_the_text_in_the_user_message_and_a_bad_one_is_an_error_row(tmp_path):
+    import json as _json
+
+    from airflow_provider_rayllm.job.prompts import PRE_ERROR, REQUEST, RequestBuilder
+    from airflow_provider_rayllm.spec import PromptSpec
+
+    prompt = PromptSpec(prompt_column="q", image_column="img", system_prompt="Be brief.")
+    builder = RequestBuilder(prompt, "generate", ["id"], str(tmp_path))
+    good = builder({"id": 1, "q": "What color?", "img": _png()})
+    assert good[PRE_ERROR] == ""
+    messages = _json.loads(good[REQUEST])["messages"]
+    assert messages[0] == {"role": "system", "content": "Be brief."}
+    image, text = messages[1]["content"]
+    assert image["type"] == "image_url" and image["image_url"]["url"].startswith("data:image/png;base64,")
+    assert text == {"type": "text", "text": "What color?"}
+    bad = builder({"id": 2, "q": "What color?", "img": b"junk"})
+    assert "not a readable image" in bad[PRE_ERROR]
+
+
+def test_image_column_is_for_generation_with_a_prompt_column_or_template():
+    from airflow_provider_rayllm.spec import PromptSpec, SpecError, parse_spec
+
+    with pytest.raises(ValueError, match="image_column works with prompt_column or template"):
+        PromptSpec(messages_column="m", image_column="img")
+    body = {"source": {"uris": ["/in.jsonl"]}, "prompt": {"prompt_column": "q", "image_column": "img"}, "sink": {"uri": "/out"},
+            "processor": {"model_source": "/m", "task_type": "embed"}}
+    with pytest.raises(SpecError, match="image_column needs task_type 'generate'"):
+        parse_spec(json.dumps(body))

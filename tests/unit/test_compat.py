@@ -1,0 +1,23 @@
+"""The worker setup hook resolves, and Ray 2.60's import of a module vLLM 0.32 moved finds it."""
+
+from __future__ import annotations
+
+import importlib
+
+
+def test_the_setup_hook_named_in_the_runtime_env_is_importable():
+    from airflow_provider_rayllm.job.secrets import SETUP_HOOK
+
+    module, _, name = SETUP_HOOK.rpartition(".")
+    assert callable(getattr(importlib.import_module(module), name))
+
+
+def test_ray_finds_vllms_moved_chat_utils_under_its_old_name():
+    from airflow_provider_rayllm.job import compat
+
+    compat.install()
+    compat.install()  # a second call adds no second finder
+    assert sum(isinstance(f, compat._Alias) for f in __import__("sys").meta_path) == 1
+    from vllm.entrypoints.chat_utils import parse_chat_messages_async  # what Ray 2.60's multimodal stage imports
+
+    assert parse_chat_messages_async is importlib.import_module(compat.MOVED["vllm.entrypoints.chat_utils"]).parse_chat_messages_async
