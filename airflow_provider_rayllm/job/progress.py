@@ -128,9 +128,14 @@ def watched(
     light: dict[str, Any],
 ) -> Any:
     """``infer(good)`` with each finished batch counted (and saved, with ``save``) as it finishes."""
-    # Materialized before the engine starts: the repartition task asks for a whole CPU, which a small
-    # cluster no longer has once the engine and its stages hold theirs.
-    blocks = good.repartition(target_num_rows_per_block=rows_per_block(rows, batch_size)).materialize()
+    # Only too-big blocks are cut; blocks that are already small enough are left as they are (merging
+    # them would change which rows share an engine batch, and nothing is gained). Materialized before the
+    # engine starts: the repartition task asks for a whole CPU, which a small cluster no longer has once
+    # the engine and its stages hold theirs.
+    per_block = rows_per_block(rows, batch_size)
+    blocks = good
+    if good.num_blocks() < math.ceil(rows / per_block):
+        blocks = good.repartition(target_num_rows_per_block=per_block).materialize()
     stage = progress.stage(error_column, tokens_column, save)
     return infer(blocks).map_batches(stage, batch_format="numpy", batch_size=None, **light)
 
