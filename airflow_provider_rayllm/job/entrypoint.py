@@ -147,13 +147,9 @@ class VLLMPipeline:
     def infer(self, good: Any, rows: int, checkpoint_uri: str | None, watch: progress.ProgressLog) -> tuple[Any, Any]:
         processor = vllm_pipeline.build(self.p, self.profile, self.engine_kwargs, self.placement)
         shaper = Shaper(self.spec, self.package_dir)
-        save = checkpoint.CheckpointStage(checkpoint_uri, shaper.output, lambda r: bool(r.get(ENGINE_ERROR))) if checkpoint_uri else None
-        raw = progress.watched(
-            good, rows, self.p.batch_size, processor, watch, ENGINE_ERROR, OUTPUT_TOKENS_OUT, save, LIGHT
-        ).materialize()
-        outputs = raw.filter(lambda r: not r.get(ENGINE_ERROR), **LIGHT).map(shaper.output, **LIGHT).materialize()
-        errors = raw.filter(lambda r: bool(r.get(ENGINE_ERROR)), **LIGHT).map(lambda r: error_row(r, ENGINE_ERROR), **LIGHT)
-        return outputs, errors
+        return progress.infer_rows(
+            good, rows, self.p.batch_size, processor, watch, ENGINE_ERROR, OUTPUT_TOKENS_OUT, shaper.output, LIGHT, checkpoint_uri
+        )
 
     def details(self, input_tokens: int, output_tokens: int) -> dict[str, Any]:
         return {"resource_profile": self.profile, "engine_kwargs": self.engine_kwargs}

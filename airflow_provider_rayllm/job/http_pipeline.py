@@ -9,11 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from airflow_provider_rayllm.job.checkpoint import CheckpointStage
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.http_client import EndpointClient
-from airflow_provider_rayllm.job.progress import ProgressLog, watched
-from airflow_provider_rayllm.job.prompts import REQUEST, STASH, error_row
+from airflow_provider_rayllm.job.progress import ProgressLog, infer_rows
+from airflow_provider_rayllm.job.prompts import REQUEST, STASH
 from airflow_provider_rayllm.spec import OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, HttpProcessorSpec
 
 API_KEY_ENV = "RAYLLM_HTTP_API_KEY"
@@ -158,11 +157,7 @@ def infer(
             batch_format="numpy",
         )
 
-    save = CheckpointStage(checkpoint_uri, output, lambda r: bool(r[CALL_ERROR])) if checkpoint_uri else None
-    raw = watched(good, rows, http.batch_size, call, progress, CALL_ERROR, OUTPUT_TOKENS_OUT, save, light).materialize()
-    outputs = raw.filter(lambda r: not r[CALL_ERROR], **light).map(output, **light).materialize()
-    errors = raw.filter(lambda r: bool(r[CALL_ERROR]), **light).map(lambda r: error_row(r, CALL_ERROR), **light)
-    return outputs, errors
+    return infer_rows(good, rows, http.batch_size, call, progress, CALL_ERROR, OUTPUT_TOKENS_OUT, output, light, checkpoint_uri)
 
 
 def cost(http: HttpProcessorSpec, input_tokens: int, output_tokens: int) -> float | None:

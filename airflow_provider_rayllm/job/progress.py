@@ -140,6 +140,33 @@ def watched(
     return infer(blocks).map_batches(stage, batch_format="numpy", batch_size=None, **light)
 
 
+def infer_rows(
+    good: Any,
+    rows: int,
+    batch_size: int,
+    infer: Callable[[Any], Any],
+    progress: ProgressLog,
+    error_column: str,
+    tokens_column: str,
+    shape: Callable[[dict[str, Any]], dict[str, Any]],
+    light: dict[str, Any],
+    checkpoint_uri: str | None = None,
+) -> tuple[Any, Any]:
+    """(output rows shaped by ``shape``, error rows) of ``infer(good)``, each pipeline's engine or callers;
+    with ``checkpoint_uri``, finished rows are saved as they finish (resume)."""
+    from airflow_provider_rayllm.job.checkpoint import CheckpointStage
+    from airflow_provider_rayllm.job.prompts import error_row
+
+    def failed(row: dict[str, Any]) -> bool:
+        return bool(row.get(error_column))
+
+    save = CheckpointStage(checkpoint_uri, shape, failed) if checkpoint_uri else None
+    raw = watched(good, rows, batch_size, infer, progress, error_column, tokens_column, save, light).materialize()
+    outputs = raw.filter(lambda r: not failed(r), **light).map(shape, **light).materialize()
+    errors = raw.filter(failed, **light).map(lambda r: error_row(r, error_column), **light)
+    return outputs, errors
+
+
 class ProgressLog:
     """Driver side: the counter actor and the thread that prints progress lines while the rows run."""
 

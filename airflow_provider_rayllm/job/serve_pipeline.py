@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from airflow_provider_rayllm.job import checkpoint, progress
+from airflow_provider_rayllm.job import progress
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.http_pipeline import extract, openai_body
-from airflow_provider_rayllm.job.prompts import REQUEST, STASH, error_row
+from airflow_provider_rayllm.job.prompts import REQUEST, STASH
 from airflow_provider_rayllm.spec import OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, ServeProcessorSpec
 
 SERVE_ERROR = "__inference_error__"
@@ -107,9 +107,6 @@ def infer(
     for stage in processor.stages.values():
         stage.map_batches_kwargs.setdefault("num_cpus", light["num_cpus"])
 
-    failed = lambda r: bool(r.get(SERVE_ERROR))  # noqa: E731
-    save = checkpoint.CheckpointStage(checkpoint_uri, output, failed) if checkpoint_uri else None
-    raw = progress.watched(good, rows, serve.batch_size, processor, watch, SERVE_ERROR, OUTPUT_TOKENS_OUT, save, light).materialize()
-    outputs = raw.filter(lambda r: not failed(r), **light).map(output, **light).materialize()
-    errors = raw.filter(failed, **light).map(lambda r: error_row(r, SERVE_ERROR), **light)
-    return outputs, errors
+    return progress.infer_rows(
+        good, rows, serve.batch_size, processor, watch, SERVE_ERROR, OUTPUT_TOKENS_OUT, output, light, checkpoint_uri
+    )
