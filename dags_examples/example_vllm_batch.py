@@ -24,6 +24,12 @@ with DAG(
         "input_uri": Param(str(DEMO_INPUT), type="string", description="JSONL/Parquet/CSV with a 'prompt' column"),
         "max_tokens": Param(64, type="integer", minimum=1, maximum=4096, description="Tokens to generate per row"),
         "temperature": Param(0.0, type="number", minimum=0, maximum=2, description="Sampling temperature"),
+        "engine_kwargs": Param(
+            {"max_model_len": 1024},
+            type="object",
+            description="vLLM engine arguments. On a CPU, {'max_num_seqs': 1, 'enable_prefix_caching': false} "
+            "makes greedy answers reproducible run to run (the CPU kernels are not batch-invariant).",
+        ),
     },
     render_template_as_native_obj=True,
 ) as dag:
@@ -34,7 +40,7 @@ with DAG(
         prompt_column="prompt",
         system_prompt="You are a helpful assistant. Answer in one or two sentences.",
         sampling_params={"temperature": "{{ params.temperature }}", "max_tokens": "{{ params.max_tokens }}"},
-        engine_kwargs={"max_model_len": 1024},
+        engine_kwargs="{{ params.engine_kwargs }}",
         batch_size=16,
         concurrency=1,
     )

@@ -86,11 +86,13 @@ def ray_conn(ray_cluster, test_home):
 @pytest.fixture(scope="session")
 def quickstart_run(ray_conn, airflow_db, smollm2) -> dict:
     """dags_examples/example_vllm_batch.py as shipped, once per session (one engine start): the guide's
-    quickstart test checks it, and the bucket-model tests compare their answers with it."""
-    from tests.integration.helpers import load_dag, read_rows, task_state, utc, xcom
+    quickstart test checks it, and the bucket-model tests compare their answers with it (hence the
+    reproducible engine settings)."""
+    from tests.integration.helpers import REPRODUCIBLE_ENGINE, load_dag, read_rows, task_state, utc, xcom
 
     dag = load_dag("dags_examples", "example_vllm_batch", "example_vllm_batch")
-    dag_run = dag.test(logical_date=utc(2026, 3, 2), run_conf={"model_source": str(smollm2), "max_tokens": 24})
+    conf = {"model_source": str(smollm2), "max_tokens": 24, "engine_kwargs": REPRODUCIBLE_ENGINE}
+    dag_run = dag.test(logical_date=utc(2026, 3, 2), run_conf=conf)
     manifest = xcom(dag.dag_id, dag_run.run_id, "answer", "return_value") if task_state(dag_run, "answer") == "success" else None
     rows = read_rows(manifest["output_files"]) if manifest else []
     return {"dag_run": dag_run, "state": task_state(dag_run, "answer"), "manifest": manifest, "rows": rows}

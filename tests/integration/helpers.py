@@ -11,6 +11,12 @@ from typing import Any
 import pyarrow.parquet as pq
 
 
+# The CPU engine's kernels are not batch-invariant: at temperature 0 an answer can change with the
+# requests it shares a step with, or with a prefix read from the cache. One request at a time and no
+# prefix cache make greedy answers reproducible, which the tests that compare two runs rely on.
+REPRODUCIBLE_ENGINE = {"max_model_len": 1024, "max_num_seqs": 1, "enable_prefix_caching": False}
+
+
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -120,7 +120,7 @@ def test_trigger_form_shows_the_params(page, api_server):
     page.get_by_role("button", name="Trigger").first.click()
     dialog = page.get_by_role("dialog")
     dialog.wait_for()
-    for name in ("model_source", "input_uri", "max_tokens", "temperature"):
+    for name in ("model_source", "input_uri", "max_tokens", "temperature", "engine_kwargs"):
         dialog.get_by_text(name).first.wait_for()
     dialog.get_by_text("Tokens to generate per row").first.wait_for()
     page.screenshot(path=str(SHOTS / "trigger-form.png"), full_page=True)

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tests.integration.helpers import StandInTI, load_dag, read_rows, task_state, utc, xcom
+from tests.integration.helpers import REPRODUCIBLE_ENGINE, StandInTI, load_dag, read_rows, task_state, utc, xcom
 
 pytestmark = pytest.mark.integration
 
@@ -104,9 +104,9 @@ QUICKSTART = dict(
     prompt_column="prompt",
     system_prompt="You are a helpful assistant. Answer in one or two sentences.",
     sampling_params={"temperature": 0.0, "max_tokens": 24},
-    engine_kwargs={"max_model_len": 1024},
+    engine_kwargs=REPRODUCIBLE_ENGINE,
     batch_size=16,
-)  # the settings of example_model_upload's "answer" task
+)  # the settings of example_model_upload's "answer" task, with the quickstart fixture's engine_kwargs
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_upload_to_gcs(ray_conn, smollm2, gcs_conn):
 def test_upload_then_infer_from_the_bucket_matches_the_local_folder(ray_conn, airflow_db, smollm2, s3, local_answers):
     date = utc(2026, 10, 1)
     dag = load_dag("dags_examples", "example_model_upload", "example_model_upload")
-    conf = {"model_source": str(smollm2), "bucket_uri": "s3://models/chain", "max_tokens": 24}
+    conf = {"model_source": str(smollm2), "bucket_uri": "s3://models/chain", "max_tokens": 24, "engine_kwargs": REPRODUCIBLE_ENGINE}
     dag_run = dag.test(logical_date=date, run_after=date, run_conf=conf)
     assert task_state(dag_run, "upload") == "success" and task_state(dag_run, "answer") == "success"
     from_bucket = xcom(dag.dag_id, dag_run.run_id, "answer", "return_value")
