@@ -230,7 +230,7 @@ class VLLMProcessorSpec(_Strict):
     task_type: TaskType = Field("generate", description="generate, embed, classify or score.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments.")
     concurrency: int | tuple[int, int] = Field(1, description="Engine replicas, or (min, max) to autoscale.")
-    batch_size: int = Field(16, ge=1, description="Rows per batch sent to an engine replica.")
+    batch_size: int = Field(32, ge=1, description="Rows per batch sent to an engine replica.")
     accelerator_type: str | None = Field(None, description="GPU type the engine needs, e.g. 'L4'.")
     runtime_env: dict[str, Any] | None = Field(None, description="Ray runtime_env for the engine stage.")
     max_concurrent_batches: int = Field(8, ge=1, description="Batches in flight per engine replica.")

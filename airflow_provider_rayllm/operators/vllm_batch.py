@@ -134,7 +134,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         task_type: str = "generate",
         engine_kwargs: dict[str, Any] | None = None,
         concurrency: int | tuple[int, int] = 1,
-        batch_size: int = 16,
+        batch_size: int = 32,
         accelerator_type: str | None = None,
         runtime_env: dict[str, Any] | None = None,
         max_concurrent_batches: int = 8,

@@ -54,3 +54,22 @@ def test_model_source_check_refuses_missing_folders_and_leaves_hub_ids_to_the_en
     (tmp_path / "m").mkdir()
     with pytest.raises(JobError, match="has no config.json"):
         vllm_pipeline.check_model_source(str(tmp_path / "m"))
+
+
+def test_cpu_defaults_are_vllms_own_offline_scheduler_limits():
+    """Ray Data starts vLLM's async engine, which gets vLLM's generic scheduler limits; a batch job gets
+    the limits vLLM gives its offline LLM class on this platform instead (read from vLLM, not copied)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    batched_tokens, seqs = EngineArgs(model="/m").get_batch_defaults(world_size=1)
+    kwargs = vllm_pipeline.engine_kwargs_for(spec(), "cpu")
+    assert kwargs["max_num_seqs"] == seqs[UsageContext.LLM_CLASS]
+    assert kwargs["max_num_batched_tokens"] == batched_tokens[UsageContext.LLM_CLASS]
+    assert UsageContext.ENGINE_CONTEXT not in seqs, "the engine context now has its own defaults; revisit ours"
+    # The user's values win; a step still holds a whole prompt of max_model_len.
+    assert vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"max_num_seqs": 1}), "cpu")["max_num_seqs"] == 1
+    long = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"max_model_len": 8192}), "cpu")
+    assert long["max_num_batched_tokens"] == 8192
+    mine = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"max_model_len": 8192, "max_num_batched_tokens": 512}), "cpu")
+    assert mine["max_num_batched_tokens"] == 512
