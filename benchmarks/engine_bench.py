@@ -20,12 +20,13 @@ import asyncio
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-from datetime import date
+from datetime import date, datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +39,55 @@ RESULTS = REPO / "benchmarks" / "results"
 def prompts(n: int) -> list[dict]:
     topics = ["rivers", "bread", "comets", "violins", "glaciers", "owls", "bridges", "tea"]
     return [{"id": i, "prompt": f"Write two sentences about {topics[i % len(topics)]} (note {i})."} for i in range(n)]
+
+
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}).*?rayllm: (.*)$")
+_VLLM_STAMP = re.compile(r"(?:INFO|WARNING) (\d\d-\d\d \d\d:\d\d:\d\d) ")
+_ENGINE_STATS = re.compile(r"Avg generation throughput: ([\d.]+) tokens/s, Running: (\d+) reqs")
+
+
+def _when_rayllm_said(log: str, prefix: str) -> float | None:
+    """Epoch seconds of the driver's first `rayllm:` line starting with prefix."""
+    for line in log.splitlines():
+        m = _STAMP.match(line)
+        if m and m.group(3).startswith(prefix):
+            stamp = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+            return stamp.timestamp() + int(m.group(2)) / 1000
+    return None
+
+
+def _when_engine_ready(log: str) -> float | None:
+    """Epoch seconds (1 s resolution) of vLLM's "init engine ... took" line."""
+    for line in log.splitlines():
+        if "init engine" in line and "took" in line:
+            m = _VLLM_STAMP.search(line)
+            if m:
+                stamp = datetime.strptime(f"{date.today().year}-{m.group(1)}", "%Y-%m-%d %H:%M:%S")
+                return stamp.replace(tzinfo=timezone.utc).timestamp()
+    return None
+
+
+def engine_occupancy(log: str) -> dict:
+    """Requests the engine ran at once, from vLLM's periodic stats lines while it generated."""
+    running = [int(r) for tps, r in _ENGINE_STATS.findall(log) if float(tps) > 0]
+    if not running:
+        return {"mean_running": None, "max_running": None, "samples": 0}
+    return {"mean_running": statistics.mean(running), "max_running": max(running), "samples": len(running)}
+
+
+def job_timeline(log: str, start: float, end: float) -> dict:
+    """Seconds from the job's start to each step its log shows (None where a step left no line)."""
+
+    def since(t: float | None) -> float | None:
+        return None if t is None else t - start
+
+    return {
+        "checks_done_s": since(_when_rayllm_said(log, "profile ")),
+        "rows_prepared_s": since(_when_rayllm_said(log, "rows in:")),
+        "engine_ready_s": since(_when_engine_ready(log)),
+        "rows_done_s": since(_when_rayllm_said(log, "rows out:")),
+        "job_s": end - start,
+    }
 
 
 def _spread(values: list[float]) -> dict:
@@ -55,6 +105,12 @@ class Bench:
         self.model = str(smollm2_path())
         self.sampling = {"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True}
         self.engine_kwargs = dict(CPU_ENGINE_DEFAULTS)
+        from airflow_provider_rayllm.spec import VLLMProcessorSpec
+
+        # The operator's own defaults, given to the plain script as well.
+        fields = VLLMProcessorSpec.model_fields
+        self.batch_size = fields["batch_size"].default
+        self.max_concurrent_batches = fields["max_concurrent_batches"].default
         self.large = write_jsonl(home / "in" / "large.jsonl", prompts(args.rows))
         self.small = write_jsonl(home / "in" / "small.jsonl", prompts(args.rows // 3))
         self.hook = RayJobHook(ray_conn_id="ray_bench")
@@ -89,7 +145,10 @@ class Bench:
             raise RuntimeError(f"ours/{name}: {outcome['error']}")
         manifest = outcome["result"]
         job_start, job_end = self._job_times(manifest["submission_id"])
+        log = self.hook.get_job_logs(manifest["submission_id"])
         return {
+            "timeline": job_timeline(log, job_start, job_end),
+            "engine": engine_occupancy(log),
             "total_s": ended - started,
             "submit_s": submitted - started,
             "until_driver_started_s": job_start - submitted,
@@ -135,8 +194,8 @@ class Bench:
 
     def plain(self, name: str, env: dict, address: str) -> dict:
         settings = {
-            "model_source": self.model, "engine_kwargs": self.engine_kwargs, "batch_size": 16,
-            "max_concurrent_batches": 8, "sampling_params": self.sampling,
+            "model_source": self.model, "engine_kwargs": self.engine_kwargs, "batch_size": self.batch_size,
+            "max_concurrent_batches": self.max_concurrent_batches, "sampling_params": self.sampling,
         }
         out = self.home / "out" / name
         cmd = [
@@ -152,7 +211,13 @@ class Bench:
         import pyarrow.parquet as pq
 
         table = pq.read_table(out)
-        return {"total_s": seconds, "rows": table.num_rows, "output_tokens": int(sum(table.column("tokens").to_pylist()))}
+        result = {"total_s": seconds, "rows": table.num_rows, "output_tokens": int(sum(table.column("tokens").to_pylist()))}
+        job_id = re.search(r"Job '([^']+)' submitted successfully", proc.stdout + proc.stderr)
+        if job_id:
+            job_start, job_end = self._job_times(job_id.group(1))
+            log = self.hook.get_job_logs(job_id.group(1))
+            result.update(timeline=job_timeline(log, job_start, job_end), engine=engine_occupancy(log))
+        return result
 
     def offline(self, env: dict) -> dict:
         settings = {"model_source": self.model, "engine_kwargs": self.engine_kwargs, "sampling_params": self.sampling}
@@ -163,6 +228,34 @@ class Bench:
         if proc.returncode != 0 or line is None:
             raise RuntimeError(f"offline failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-3000:]}")
         return json.loads(line[len("OFFLINE ") :])
+
+
+def _median_timeline(runs: list[dict]) -> dict:
+    steps = ("checks_done_s", "rows_prepared_s", "engine_ready_s", "rows_done_s", "job_s")
+    out = {}
+    for step in steps:
+        values = [r["timeline"][step] for r in runs if r.get("timeline") and r["timeline"].get(step) is not None]
+        out[step] = statistics.median(values) if values else None
+    return out
+
+
+def _median_occupancy(runs: list[dict]) -> dict:
+    means = [r["engine"]["mean_running"] for r in runs if (r.get("engine") or {}).get("mean_running") is not None]
+    peaks = [r["engine"]["max_running"] for r in runs if (r.get("engine") or {}).get("max_running") is not None]
+    return {
+        "mean_running": statistics.median(means) if means else None,
+        "max_running": max(peaks) if peaks else None,
+    }
+
+
+def _engine_phase_tokens_per_s(runs: list[dict], end_step: str) -> dict | None:
+    """Output tokens over the time from a ready engine to end_step: the rows' own throughput."""
+    values = []
+    for r in runs:
+        t = r.get("timeline") or {}
+        if t.get("engine_ready_s") is not None and t.get(end_step) is not None and t[end_step] > t["engine_ready_s"]:
+            values.append(r["output_tokens"] / (t[end_step] - t["engine_ready_s"]))
+    return _spread(values) if values else None
 
 
 def summarize(args: argparse.Namespace, bench: Bench, runs: dict[str, list[dict]]) -> dict:
@@ -188,8 +281,15 @@ def summarize(args: argparse.Namespace, bench: Bench, runs: dict[str, list[dict]
         "rounds": len(runs["ours"]),
         "model": "SmolLM2-135M-Instruct (CPU vLLM)",
         "engine_kwargs": bench.engine_kwargs,
-        "batch_size": 16,
-        "max_concurrent_batches": 8,
+        "batch_size": bench.batch_size,
+        "max_concurrent_batches": bench.max_concurrent_batches,
+        "timeline_median_s": {kind: _median_timeline(runs[kind]) for kind in ("ours", "plain")},
+        "engine_occupancy": {kind: _median_occupancy(runs[kind]) for kind in ("ours", "plain")},
+        # ours: engine ready -> all rows answered; plain: engine ready -> job end (its write included).
+        "engine_phase_tokens_per_s": {
+            "ours": _engine_phase_tokens_per_s(runs["ours"], "rows_done_s"),
+            "plain": _engine_phase_tokens_per_s(runs["plain"], "job_s"),
+        },
         "provider_overhead_ratio": statistics.median(overhead),
         "provider_overhead": _spread(overhead),
         "ours_breakdown_median_s": breakdown,

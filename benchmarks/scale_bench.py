@@ -75,6 +75,10 @@ def main() -> int:
     parser.add_argument("--actors", type=int, default=1)
     parser.add_argument("--in-flight", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=2000)
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="keep the other sizes of today's results file (same settings) and replace only the sizes run now",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
@@ -117,6 +121,14 @@ def main() -> int:
     finally:
         cluster.stop()
 
+    out = REPO / "benchmarks" / "results" / f"{date.today().isoformat()}-scale.json"
+    settings = {"actors": args.actors, "in_flight": args.in_flight, "batch_size": args.batch_size}
+    if args.merge and out.exists():
+        earlier = json.loads(out.read_text())
+        if earlier.get("settings") != settings:
+            raise SystemExit(f"--merge: {out} was measured with {earlier.get('settings')}, not {settings}")
+        kept = [p for p in earlier["scale"] if p["rows"] not in sizes]
+        points = sorted(kept + points, key=lambda p: p["rows"])
     rates = [p["rows_per_s"] for p in points]
     results = {
         "date": date.today().isoformat(),
@@ -125,12 +137,11 @@ def main() -> int:
             f"{args.batch_size}, against a local chat endpoint that answers at once (client and server share the "
             "2 cores); rows/s from task start to manifest, engine-free, so the figures are the pipeline's own cost."
         ),
-        "settings": {"actors": args.actors, "in_flight": args.in_flight, "batch_size": args.batch_size},
+        "settings": settings,
         "scale": points,
         "rows_per_s_spread": (max(rates) - min(rates)) / statistics.median(rates),
         "versions": {"ray": ray.__version__},
     }
-    out = REPO / "benchmarks" / "results" / f"{results['date']}-scale.json"
     out.write_text(json.dumps(results, indent=2))
     return 0
 

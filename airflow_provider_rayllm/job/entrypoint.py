@@ -7,10 +7,12 @@ generation the published one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -288,17 +290,39 @@ def open_pipeline(spec: JobSpec, package_dir: str) -> VLLMPipeline | HttpPipelin
     return pipelines[spec.kind](spec, package_dir)
 
 
-def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
-    import ray
+@dataclasses.dataclass
+class ReadRows:
+    prepared: Any
+    good: Any
+    bad_prompts: Any
+    rows_in: int
+    unpromptable: int
 
-    ray.init(log_to_driver=True)
-    started = time.time()
-    started_at = datetime.now(timezone.utc).isoformat()
-    pipeline = open_pipeline(spec, package_dir)
 
-    # 1. Checks that need no engine or endpoint.
-    pipeline.check()
+class _Beside(threading.Thread):
+    """A call run beside the main thread; result() waits for it and raises what it raised."""
 
+    def __init__(self, call: Any, *args: Any):
+        super().__init__(name="rayllm-read", daemon=True)
+        self._call, self._args = call, args
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._result = self._call(*self._args)
+        except BaseException as exc:  # handed to the main thread by result()
+            self._error = exc
+
+    def result(self) -> Any:
+        self.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _read_rows(spec: JobSpec, pipeline: Any, package_dir: str) -> ReadRows:
+    """The source read and turned into requests, materialized; writes nothing."""
     if isinstance(spec.source, SqlSource):
         columns = sql.probe_columns(spec.source)
         _say("source: %s query with columns %s", spec.source.dialect, columns)
@@ -326,12 +350,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     if spec.limits.max_rows:
         ds = ds.limit(spec.limits.max_rows)
 
-    # This generation starts empty; with an id column, rows an earlier attempt finished are read back.
-    gen_uri = manifest.generation_uri(spec.sink.uri, submission_id)
-    io.delete_dir(gen_uri)
-    resume = Resume.open(spec, submission_id, gen_uri)
-
-    # 2. Rows -> requests (a row that cannot be prompted is an error row, not a crash).
+    # Rows -> requests (a row that cannot be prompted is an error row, not a crash).
     builder = RequestBuilder(spec.prompt, spec.task_type, keep, package_dir, pipeline.lora())
     prepared = ds.map(builder, **LIGHT).materialize()
     rows_in = prepared.count()
@@ -341,6 +360,31 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     good = prepared.filter(lambda r: r[PRE_ERROR] == "", **LIGHT).materialize()
     unpromptable = bad_prompts.count()
     _say("rows in: %d (%d cannot be prompted)", rows_in, unpromptable)
+    return ReadRows(prepared, good, bad_prompts, rows_in, unpromptable)
+
+
+def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
+    import ray
+
+    ray.init(log_to_driver=True)
+    started = time.time()
+    started_at = datetime.now(timezone.utc).isoformat()
+    pipeline = open_pipeline(spec, package_dir)
+
+    # 1. Checks that need no engine or endpoint. The rows are read and turned into requests beside them
+    #    (reading writes nothing): the checks spend seconds importing vLLM that the read can use. A failed
+    #    check still wins over a read error, and nothing is written until both are done.
+    reading = _Beside(_read_rows, spec, pipeline, package_dir)
+    reading.start()
+    pipeline.check()
+    read = reading.result()
+    prepared, good, bad_prompts = read.prepared, read.good, read.bad_prompts
+    rows_in, unpromptable = read.rows_in, read.unpromptable
+
+    # This generation starts empty; with an id column, rows an earlier attempt finished are read back.
+    gen_uri = manifest.generation_uri(spec.sink.uri, submission_id)
+    io.delete_dir(gen_uri)
+    resume = Resume.open(spec, submission_id, gen_uri)
     _check_error_fraction(unpromptable, rows_in, spec.limits.max_error_fraction, "before the engine started")
     errors = bad_prompts.map(lambda r: error_row(r, PRE_ERROR), **LIGHT)
     outputs = None

@@ -85,10 +85,6 @@ def check_engine_kwargs(model_source: str, engine_kwargs: dict[str, Any]) -> Non
         raise JobError(
             f"engine_kwargs: unknown vLLM engine argument(s) {unknown!r} (vLLM's EngineArgs has no such field)"
         )
-    try:
-        EngineArgs(model=model_source, **{k: v for k, v in engine_kwargs.items() if k != "task_type"})
-    except (TypeError, ValueError) as exc:
-        raise JobError(f"engine_kwargs: vLLM refuses {engine_kwargs!r}: {exc}") from exc
     load_format = engine_kwargs.get("load_format")
     extras = {"runai_streamer": ("runai_model_streamer", "vllm[runai]"), "tensorizer": ("tensorizer", "vllm[tensorizer]")}
     if load_format in extras:
@@ -100,6 +96,10 @@ def check_engine_kwargs(model_source: str, engine_kwargs: dict[str, Any]) -> Non
                 f"engine_kwargs.load_format={load_format!r} needs the {extra!r} extra on the cluster "
                 f"(module {module!r} is not installed)"
             )
+    try:
+        EngineArgs(model=model_source, **{k: v for k, v in engine_kwargs.items() if k != "task_type"})
+    except (TypeError, ValueError) as exc:
+        raise JobError(f"engine_kwargs: vLLM refuses {engine_kwargs!r}: {exc}") from exc
 
 
 def check_sampling_params(sampling_params: dict[str, Any]) -> None:

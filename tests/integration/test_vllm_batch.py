@@ -54,7 +54,9 @@ def deferred_run(ray_conn, airflow_db, smollm2, test_home):
     rows += [{"id": 100, "prompt": LONG_PROMPT}, {"id": 101, "prompt": None}]
     input_uri = write_jsonl(test_home / "inputs" / "deferred.jsonl", rows)
     output_uri = str(test_home / "out" / "deferred")
-    conf = {"model_source": str(smollm2), "input_uri": input_uri, "output_uri": output_uri}
+    # The guide's model-loading section: load_format reaches the engine as given.
+    engine_kwargs = {"max_model_len": 256, "load_format": "safetensors"}
+    conf = {"model_source": str(smollm2), "input_uri": input_uri, "output_uri": output_uri, "engine_kwargs": engine_kwargs}
     started = time.time()
     dag_run = dag.test(logical_date=DEFERRED_DATE, run_after=DEFERRED_DATE, run_conf=conf)
     return {"dag": dag, "dag_run": dag_run, "conf": conf, "seconds": time.time() - started}
@@ -163,6 +165,14 @@ def _failed_job(hook, dag, conf, date):
     return [line for line in logs.splitlines() if line.startswith("RAYLLM_ERROR ")][-1]
 
 
+def test_load_format_reaches_the_engine(deferred_run, hook):
+    dag_run = deferred_run["dag_run"]
+    assert task_state(dag_run, "generate") == "success"
+    manifest = xcom(dag_run.dag_id, dag_run.run_id, "generate", "return_value")
+    logs = hook.get_job_logs(manifest["submission_id"])
+    assert "load_format=safetensors" in logs, "vLLM's engine config line should show the load_format the task asked for"
+
+
 @pytest.mark.parametrize(
     "day, overrides, expected",
     [
@@ -170,6 +180,16 @@ def _failed_job(hook, dag, conf, date):
         (2, {"prompt_column": "question"}, "prompt needs column(s) ['question'] that the input lacks"),
         (3, {"input_uri": "/nonexistent/in.jsonl"}, "source.uris: '/nonexistent/in.jsonl' does not exist"),
         (4, {"model_source": "/nonexistent/model"}, "model_source '/nonexistent/model' is not a folder"),
+        (
+            5,
+            {"engine_kwargs": {"max_model_len": 256, "load_format": "runai_streamer"}},
+            "engine_kwargs.load_format='runai_streamer' needs the 'vllm[runai]' extra on the cluster",
+        ),
+        (
+            6,
+            {"engine_kwargs": {"max_model_len": 256, "load_format": "tensorizer"}},
+            "engine_kwargs.load_format='tensorizer' needs the 'vllm[tensorizer]' extra on the cluster",
+        ),
     ],
 )
 def test_bad_configuration_fails_before_any_engine_starts(day, overrides, expected, ray_conn, airflow_db, smollm2, test_home, hook):
