@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -364,6 +365,12 @@ def _scale_fit(points: list[dict]) -> str:
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     fixed = my - slope * mx
     drv, wrk = [p["driver_peak_mb"] for p in points], [p["worker_peak_mb"] for p in points]
+    marginal = [(b["rows"] - a["rows"]) / (b["seconds"] - a["seconds"]) for a, b in zip(points, points[1:])]
+    flat = (
+        f" The marginal rates are within {(max(marginal) - min(marginal)) / statistics.median(marginal):.0%} of each other."
+        if len(marginal) > 1
+        else ""
+    )
     steps = "; ".join(
         f"{a['rows']:,} -> {b['rows']:,} rows: {(b['rows'] - a['rows']) / (b['seconds'] - a['seconds']):.0f} rows/s"
         for a, b in zip(points, points[1:])
@@ -372,7 +379,7 @@ def _scale_fit(points: list[dict]) -> str:
 What bounds the spread: a job costs about **{fixed:.0f} s** whatever its size (submission, driver start,
 actor start, the manifest) plus **{slope * 1e6:.0f} s per million rows** (a least-squares fit of seconds
 against rows over the sizes above). The marginal rate between sizes ({steps}) is the pipeline's
-own throughput; small jobs look slower only because the fixed part weighs more in them. Peak memory across
+own throughput; small jobs look slower only because the fixed part weighs more in them.{flat} Peak memory across
 a {xs[-1] / xs[0]:,.0f}x range of rows: Ray driver {min(drv):.0f}-{max(drv):.0f} MB, Airflow worker
 {min(wrk):.0f}-{max(wrk):.0f} MB (rows stream through Ray's object store, not through either process).
 """
