@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -299,28 +298,6 @@ class ReadRows:
     unpromptable: int
 
 
-class _Beside(threading.Thread):
-    """A call run beside the main thread; result() waits for it and raises what it raised."""
-
-    def __init__(self, call: Any, *args: Any):
-        super().__init__(name="rayllm-read", daemon=True)
-        self._call, self._args = call, args
-        self._result: Any = None
-        self._error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._result = self._call(*self._args)
-        except BaseException as exc:  # handed to the main thread by result()
-            self._error = exc
-
-    def result(self) -> Any:
-        self.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
 def _read_rows(spec: JobSpec, pipeline: Any, package_dir: str) -> ReadRows:
     """The source read and turned into requests, materialized; writes nothing."""
     if isinstance(spec.source, SqlSource):
@@ -371,13 +348,11 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     started_at = datetime.now(timezone.utc).isoformat()
     pipeline = open_pipeline(spec, package_dir)
 
-    # 1. Checks that need no engine or endpoint. The rows are read and turned into requests beside them
-    #    (reading writes nothing): the checks spend seconds importing vLLM that the read can use. A failed
-    #    check still wins over a read error, and nothing is written until both are done.
-    reading = _Beside(_read_rows, spec, pipeline, package_dir)
-    reading.start()
+    # 1. Checks that need no engine or endpoint, then the rows read and turned into requests.
+    #    Not side by side: a read thread beside the checks' vLLM import crashed the driver
+    #    ("Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so"), torch being loaded twice at once.
     pipeline.check()
-    read = reading.result()
+    read = _read_rows(spec, pipeline, package_dir)
     prepared, good, bad_prompts = read.prepared, read.good, read.bad_prompts
     rows_in, unpromptable = read.rows_in, read.unpromptable
 
