@@ -200,7 +200,7 @@ Step by step, seconds from each Ray job's start (medians; from the job logs):
         if before > 0:
             first = f"our job reaches a ready engine **{before:.1f} s later** than the plain script (the checks that fail bad input before any engine starts, and reading the rows into requests first)"
         else:
-            first = f"our job reaches a ready engine no later than the plain script ({-before:.1f} s earlier: the checks and the read run side by side, and the engine start dominates)"
+            first = f"our job reaches a ready engine no later than the plain script ({-before:.1f} s earlier; the engine start dominates and varies by more than our checks take)"
         text += f"""
 What bounds the overhead: {first}; from a ready engine to the job's end it takes **{after:+.1f} s** against
 the plain script (counting progress, splitting error rows from answers, writing after the rows are in

@@ -348,9 +348,9 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     started_at = datetime.now(timezone.utc).isoformat()
     pipeline = open_pipeline(spec, package_dir)
 
-    # 1. Checks that need no engine or endpoint, then the rows read and turned into requests.
-    #    Not side by side: a read thread beside the checks' vLLM import crashed the driver
-    #    ("Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so"), torch being loaded twice at once.
+    # 1. Checks that need no engine or endpoint, then the rows read and turned into requests. One after
+    #    the other: the checks import vLLM (and torch), and loading native libraries while a second thread
+    #    drives Ray Data saves about 3 s but is not something to rely on in every job.
     pipeline.check()
     read = _read_rows(spec, pipeline, package_dir)
     prepared, good, bad_prompts = read.prepared, read.good, read.bad_prompts
