@@ -7,7 +7,6 @@ generation the published one.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -289,17 +288,17 @@ def open_pipeline(spec: JobSpec, package_dir: str) -> VLLMPipeline | HttpPipelin
     return pipelines[spec.kind](spec, package_dir)
 
 
-@dataclasses.dataclass
-class ReadRows:
-    prepared: Any
-    good: Any
-    bad_prompts: Any
-    rows_in: int
-    unpromptable: int
+def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
+    import ray
 
+    ray.init(log_to_driver=True)
+    started = time.time()
+    started_at = datetime.now(timezone.utc).isoformat()
+    pipeline = open_pipeline(spec, package_dir)
 
-def _read_rows(spec: JobSpec, pipeline: Any, package_dir: str) -> ReadRows:
-    """The source read and turned into requests, materialized; writes nothing."""
+    # 1. Checks that need no engine or endpoint.
+    pipeline.check()
+
     if isinstance(spec.source, SqlSource):
         columns = sql.probe_columns(spec.source)
         _say("source: %s query with columns %s", spec.source.dialect, columns)
@@ -327,7 +326,12 @@ def _read_rows(spec: JobSpec, pipeline: Any, package_dir: str) -> ReadRows:
     if spec.limits.max_rows:
         ds = ds.limit(spec.limits.max_rows)
 
-    # Rows -> requests (a row that cannot be prompted is an error row, not a crash).
+    # This generation starts empty; with an id column, rows an earlier attempt finished are read back.
+    gen_uri = manifest.generation_uri(spec.sink.uri, submission_id)
+    io.delete_dir(gen_uri)
+    resume = Resume.open(spec, submission_id, gen_uri)
+
+    # 2. Rows -> requests (a row that cannot be prompted is an error row, not a crash).
     builder = RequestBuilder(spec.prompt, spec.task_type, keep, package_dir, pipeline.lora())
     prepared = ds.map(builder, **LIGHT).materialize()
     rows_in = prepared.count()
@@ -337,29 +341,6 @@ def _read_rows(spec: JobSpec, pipeline: Any, package_dir: str) -> ReadRows:
     good = prepared.filter(lambda r: r[PRE_ERROR] == "", **LIGHT).materialize()
     unpromptable = bad_prompts.count()
     _say("rows in: %d (%d cannot be prompted)", rows_in, unpromptable)
-    return ReadRows(prepared, good, bad_prompts, rows_in, unpromptable)
-
-
-def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
-    import ray
-
-    ray.init(log_to_driver=True)
-    started = time.time()
-    started_at = datetime.now(timezone.utc).isoformat()
-    pipeline = open_pipeline(spec, package_dir)
-
-    # 1. Checks that need no engine or endpoint, then the rows read and turned into requests. One after
-    #    the other: the checks import vLLM (and torch), and loading native libraries while a second thread
-    #    drives Ray Data saves about 3 s but is not something to rely on in every job.
-    pipeline.check()
-    read = _read_rows(spec, pipeline, package_dir)
-    prepared, good, bad_prompts = read.prepared, read.good, read.bad_prompts
-    rows_in, unpromptable = read.rows_in, read.unpromptable
-
-    # This generation starts empty; with an id column, rows an earlier attempt finished are read back.
-    gen_uri = manifest.generation_uri(spec.sink.uri, submission_id)
-    io.delete_dir(gen_uri)
-    resume = Resume.open(spec, submission_id, gen_uri)
     _check_error_fraction(unpromptable, rows_in, spec.limits.max_error_fraction, "before the engine started")
     errors = bad_prompts.map(lambda r: error_row(r, PRE_ERROR), **LIGHT)
     outputs = None
