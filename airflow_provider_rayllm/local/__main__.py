@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["start", "stop", "restart", "status", "conn", "demo", "models"])
     parser.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR))
     parser.add_argument("--num-cpus", type=int, default=None)
+    parser.add_argument("--worker-nodes", type=int, default=0, help="for `start`: extra raylets on this machine")
+    parser.add_argument("--worker-cpus", type=int, default=2, help="for `start`: logical CPUs of each extra raylet")
     parser.add_argument("--output-base", default=None, help="for `conn`: the default output prefix")
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -27,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     cluster = LocalRayCluster(state_dir=args.state_dir, num_cpus=args.num_cpus)
     if args.command == "start":
         info = cluster.start()
+        for _ in range(args.worker_nodes - len(info.worker_nodes or [])):
+            node = cluster.add_node(num_cpus=args.worker_cpus)
+            print(f"worker raylet: {node['num_cpus']} CPUs, temp dir {node['temp_dir']}")
         print(f"Ray Jobs API: {info.dashboard_url}  GCS: {info.gcs_address}  token file: {info.token_file}")
         print("Airflow connection: export AIRFLOW_CONN_RAY_DEFAULT=\"$(python -m airflow_provider_rayllm.local conn)\"")
     elif args.command == "stop":

@@ -1,13 +1,16 @@
 """A local Ray head on loopback with the Jobs API, free ports and token auth, started and stopped by us.
 
 State (ports, token file, logs) lives in one folder so a second process can find and stop the cluster:
-``python -m airflow_provider_rayllm.local start|stop|status``.
+``python -m airflow_provider_rayllm.local start|stop|status``. ``start --worker-nodes N`` adds N more
+raylets on the same machine: a multi-node cluster for placement groups, custom node resources and engine
+replicas spread over nodes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -43,6 +46,7 @@ class ClusterInfo:
     temp_dir: str
     num_cpus: int
     ports: list[int] | None = None  # gcs, dashboard, agent http, agent grpc, runtime env agent, metrics, client
+    worker_nodes: list[dict] | None = None  # one {"temp_dir", "num_cpus", "resources"} per extra raylet
 
     @property
     def token(self) -> str:
@@ -61,10 +65,77 @@ class ClusterInfo:
 class LocalRayCluster:
     """Start/stop one local head. ``num_cpus`` defaults to the machine's cores."""
 
-    def __init__(self, state_dir: str | Path = DEFAULT_STATE_DIR, num_cpus: int | None = None, resources: dict | None = None):
+    def __init__(
+        self,
+        state_dir: str | Path = DEFAULT_STATE_DIR,
+        num_cpus: int | None = None,
+        resources: dict | None = None,
+        num_gpus: int = 0,
+    ):
         self.state_dir = Path(state_dir)
         self.num_cpus = num_cpus or os.cpu_count() or 2
         self.resources = resources or {}
+        self.num_gpus = num_gpus
+
+    def add_node(self, num_cpus: int, resources: dict | None = None, timeout: float = 120.0) -> dict:
+        """Start one more raylet on this machine and join it to the running head.
+
+        Each extra raylet gets its own temp dir. Sharing the head's would also share its session folder,
+        runtime_env packages included, and the new node's runtime-env agent deletes packages it does not
+        use itself: a job driver on the head then lost its working directory a few seconds after
+        ``ray.init()`` (its next torch import died with "Intel oneMKL FATAL ERROR: Cannot load
+        libtorch_cpu.so").
+        """
+        info = self.info()
+        if info is None:
+            raise RuntimeError(f"no running head in {self.state_dir}; start() it first")
+        nodes = list(info.worker_nodes or [])
+        port = info.gcs_address.rsplit(":", 1)[1]
+        temp_dir = f"/tmp/rayllm-{port}-w{len(nodes) + 1}"
+        agent_http, agent_grpc, runtime_env_agent, metrics = _free_ports(4)
+        cmd = [
+            self._ray_bin(), "start",
+            f"--address={info.gcs_address}",
+            "--node-ip-address=127.0.0.1",
+            f"--dashboard-agent-listen-port={agent_http}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--runtime-env-agent-port={runtime_env_agent}",
+            f"--metrics-export-port={metrics}",
+            f"--num-cpus={num_cpus}",
+            "--num-gpus=0",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ]
+        if resources:
+            cmd.append(f"--resources={json.dumps(resources)}")
+        log_path = self.state_dir / f"ray-start-w{len(nodes) + 1}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.run(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"`ray start --address` failed with exit code {proc.returncode}; see {log_path}:\n{log_path.read_text()[-3000:]}")
+        node = {"temp_dir": temp_dir, "num_cpus": num_cpus, "resources": dict(resources or {})}
+        nodes.append(node)
+        info.worker_nodes = nodes
+        self.info_file.write_text(json.dumps(asdict(info), indent=2))
+        deadline = time.time() + timeout
+        while len(self.alive_nodes(info)) < len(nodes) + 1:
+            if time.time() > deadline:
+                raise RuntimeError(f"the raylet in {temp_dir} did not join {info.gcs_address} within {timeout:.0f} s")
+            time.sleep(1)
+        return node
+
+    @staticmethod
+    def alive_nodes(info: ClusterInfo) -> list[dict]:
+        """The cluster's live nodes as Ray's state API lists them (node id, resources, head or not)."""
+        request = urllib.request.Request(
+            f"{info.dashboard_url}/api/v0/nodes?detail=1&limit=1000", headers={"Authorization": f"Bearer {info.token}"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                nodes = json.loads(resp.read())["data"]["result"]["result"]
+        except (urllib.error.URLError, OSError, KeyError, ValueError):
+            return []
+        return [n for n in nodes if n.get("state") == "ALIVE"]
 
     @property
     def info_file(self) -> Path:
@@ -116,7 +187,7 @@ class LocalRayCluster:
             f"--metrics-export-port={metrics}",
             f"--ray-client-server-port={client}",
             f"--num-cpus={self.num_cpus}",
-            "--num-gpus=0",
+            f"--num-gpus={self.num_gpus}",
             f"--temp-dir={temp_dir}",
             "--disable-usage-stats",
         ]
@@ -180,10 +251,13 @@ class LocalRayCluster:
         if info is None:
             return
         port = info.gcs_address.rsplit(":", 1)[1]
+        gcs_address = re.compile(rf"[0-9.]+:{port}(?![0-9])")
         roots = []
         for proc in psutil.process_iter(["cmdline"]):
             cmdline = " ".join(proc.info.get("cmdline") or [])
-            if info.temp_dir in cmdline or f"127.0.0.1:{port}" in cmdline:
+            own_dirs = [info.temp_dir, *(node["temp_dir"] for node in info.worker_nodes or [])]
+            # Ray may name the GCS by the machine's address instead of 127.0.0.1 (the client server does).
+            if any(d in cmdline for d in own_dirs) or gcs_address.search(cmdline):
                 roots.append(proc)
         victims: dict[int, psutil.Process] = {}
         for root in roots:
@@ -206,3 +280,5 @@ class LocalRayCluster:
                 pass
         self.info_file.unlink(missing_ok=True)
         shutil.rmtree(info.temp_dir, ignore_errors=True)
+        for node in info.worker_nodes or []:
+            shutil.rmtree(node["temp_dir"], ignore_errors=True)
