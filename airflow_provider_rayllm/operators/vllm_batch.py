@@ -98,10 +98,14 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         "engine_kwargs",
         "dynamic_lora_loading_path",
         "max_rows",
+        "concurrency",
+        "placement_group_config",
+        "accelerator_type",
     )
     template_fields_renderers = {
         "sampling_params": "json",
         "engine_kwargs": "json",
+        "placement_group_config": "json",
         "prompt_template": "jinja",
         "sql": "sql",
     }

@@ -73,3 +73,43 @@ def test_cpu_defaults_are_vllms_own_offline_scheduler_limits():
     assert long["max_num_batched_tokens"] == 8192
     mine = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"max_model_len": 8192, "max_num_batched_tokens": 512}), "cpu")
     assert mine["max_num_batched_tokens"] == 512
+
+
+def test_cpu_model_parallel_gets_the_executor_and_mode_the_cpu_engine_runs():
+    kwargs = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"pipeline_parallel_size": 2}), "cpu")
+    assert kwargs["distributed_executor_backend"] == "mp" and kwargs["enforce_eager"] is False
+    kwargs = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"tensor_parallel_size": 2}), "cpu")
+    assert kwargs["distributed_executor_backend"] == "mp" and kwargs["enforce_eager"] is True  # tp runs eager
+    # The user's words win, and the GPU profile keeps Ray Data's choice ("ray" for several workers).
+    mine = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"pipeline_parallel_size": 2, "distributed_executor_backend": "ray"}), "cpu")
+    assert mine["distributed_executor_backend"] == "ray"
+    gpu = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"tensor_parallel_size": 2}), "gpu")
+    assert "distributed_executor_backend" not in gpu and vllm_pipeline.executor_backend(gpu) == "ray"
+    assert vllm_pipeline.executor_backend(vllm_pipeline.engine_kwargs_for(spec(), "cpu")) == "uni"
+
+
+def test_model_parallel_settings_the_cpu_engine_would_refuse_fail_first():
+    import pytest
+
+    from airflow_provider_rayllm.job.errors import JobError
+
+    ray_backend = {"pipeline_parallel_size": 2, "distributed_executor_backend": "ray"}
+    with pytest.raises(JobError, match=r"distributed_executor_backend='ray'.*does not support the Ray executor"):
+        vllm_pipeline.check_parallel("cpu", ray_backend, None)
+    vllm_pipeline.check_parallel("gpu", ray_backend, None)  # GPU engines take the Ray executor
+    with pytest.raises(JobError, match=r"enforce_eager=True with pipeline_parallel_size=2"):
+        vllm_pipeline.check_parallel("cpu", {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp", "enforce_eager": True}, None)
+    spread = {"bundles": [{"CPU": 1}, {"CPU": 1}], "strategy": "STRICT_SPREAD"}
+    with pytest.raises(JobError, match=r"strategy='STRICT_SPREAD' with distributed_executor_backend='mp'"):
+        vllm_pipeline.check_parallel("cpu", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, spread)
+    vllm_pipeline.check_parallel("gpu", {"tensor_parallel_size": 2}, {**spread, "bundles": [{"GPU": 1}, {"GPU": 1}]})
+    vllm_pipeline.check_parallel("cpu", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, {**spread, "strategy": "STRICT_PACK"})
+
+
+def test_several_cpu_workers_split_the_node_unless_the_user_binds_them():
+    env = vllm_pipeline.engine_runtime_env(spec(), "cpu", {"pipeline_parallel_size": 2})
+    assert env["env_vars"]["VLLM_CPU_SIM_MULTI_NUMA"] == "1"
+    mine = vllm_pipeline.engine_runtime_env(spec(runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}), "cpu", {"pipeline_parallel_size": 2})
+    assert "VLLM_CPU_SIM_MULTI_NUMA" not in mine["env_vars"] and mine["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert "VLLM_CPU_SIM_MULTI_NUMA" not in vllm_pipeline.engine_runtime_env(spec(), "cpu", {})["env_vars"]
+    assert "VLLM_CPU_SIM_MULTI_NUMA" not in vllm_pipeline.engine_runtime_env(spec(), "gpu", {"tensor_parallel_size": 2})["env_vars"]
