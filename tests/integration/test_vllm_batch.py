@@ -190,6 +190,17 @@ def test_load_format_reaches_the_engine(deferred_run, hook):
             {"engine_kwargs": {"max_model_len": 256, "load_format": "tensorizer"}},
             "engine_kwargs.load_format='tensorizer' needs the 'vllm[tensorizer]' extra on the cluster",
         ),
+        (
+            # The guide's cross-node settings: vLLM's CPU build would refuse them after its engine started.
+            7,
+            {"engine_kwargs": {"max_model_len": 256, "pipeline_parallel_size": 2, "distributed_executor_backend": "ray"}},
+            "engine_kwargs.distributed_executor_backend='ray': vLLM's CPU engine does not support the Ray executor",
+        ),
+        (
+            8,
+            {"engine_kwargs": {"max_model_len": 256, "pipeline_parallel_size": 2, "enforce_eager": True}},
+            "engine_kwargs.enforce_eager=True with pipeline_parallel_size=2",
+        ),
     ],
 )
 def test_bad_configuration_fails_before_any_engine_starts(day, overrides, expected, ray_conn, airflow_db, smollm2, test_home, hook):
