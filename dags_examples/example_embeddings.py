@@ -22,6 +22,11 @@ with DAG(
     params={
         "model_source": Param(embed_model(), type="string", description="An embedding model"),
         "input_uri": Param(str(DEMO_SENTENCES), type="string", description="Rows with a 'text' column"),
+        "engine_kwargs": Param(
+            {"enable_prefix_caching": False, "enable_chunked_prefill": False, "max_model_len": 256, "enforce_eager": True},
+            type="object",
+            description="vLLM engine arguments (e.g. tensor_parallel_size: 2 splits MiniLM's 12 heads over two workers)",
+        ),
     },
     render_template_as_native_obj=True,
 ) as dag:
@@ -32,12 +37,7 @@ with DAG(
         task_type="embed",
         prompt_column="text",
         output_column="embedding",
-        engine_kwargs={
-            "enable_prefix_caching": False,
-            "enable_chunked_prefill": False,
-            "max_model_len": 256,
-            "enforce_eager": True,
-        },
+        engine_kwargs="{{ params.engine_kwargs }}",
         batch_size=32,
         concurrency=1,
         apply_chat_template=False,

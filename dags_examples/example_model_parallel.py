@@ -41,7 +41,9 @@ with DAG(
         "model_source": Param(str(DEMO_MODEL), type="string", description="HF id, cluster path or bucket URI"),
         "input_uri": Param(str(DEMO_INPUT), type="string", description="Rows with a 'prompt' column"),
         "engine_kwargs": Param(
-            {"pipeline_parallel_size": 2, "max_model_len": 1024},
+            # Two replicas x two workers on one small machine: each worker gets a 256 MiB KV cache instead
+            # of the CPU profile's share of RAM (gpu_memory_utilization=0.2 each ran the machine out of memory).
+            {"pipeline_parallel_size": 2, "max_model_len": 1024, "kv_cache_memory_bytes": 256 * 1024 * 1024},
             type="object",
             description="tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend and other vLLM "
             "engine arguments",

@@ -144,3 +144,23 @@ def cpus_in_use(info: Any) -> tuple[float, float]:
         usage = json.loads(resp.read())["data"]["clusterStatus"]["loadMetricsReport"]["usage"]
     used, total = usage["CPU"]
     return float(used), float(total)
+
+
+def check_demo_embeddings(manifest: dict[str, Any]) -> None:
+    """example_embeddings' eight sentences: 384-float unit vectors, each paraphrase pair closer than unrelated ones."""
+    import numpy as np
+
+    assert manifest["task_type"] == "embed"
+    assert manifest["rows_in"] == manifest["rows_out"] == 8
+    assert manifest["output_tokens"] == 0 and manifest["input_tokens"] > 0
+    rows = {r["id"]: np.asarray(r["embedding"], dtype=np.float64) for r in read_rows(manifest["output_files"])}
+    for vector in rows.values():
+        assert vector.shape == (384,)
+        assert abs(np.linalg.norm(vector) - 1.0) < 1e-3
+
+    def cos(a: int, b: int) -> float:
+        return float(rows[a] @ rows[b])
+
+    for first, second in ((0, 1), (2, 3), (4, 5)):
+        for unrelated in (6, 7):
+            assert cos(first, second) > cos(first, unrelated) + 0.1, (first, second, unrelated)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import re
 
-import numpy as np
 import pytest
 
-from tests.integration.helpers import load_dag, read_rows, task_state, utc, xcom
+from tests.integration.helpers import check_demo_embeddings, load_dag, read_rows, task_state, utc, xcom
 
 pytestmark = pytest.mark.integration
 
@@ -21,21 +20,7 @@ def _run(name: str, task_id: str, conf: dict, day: int):
 
 
 def test_embeddings_are_unit_vectors_that_rank_paraphrases_first(ray_conn, airflow_db):
-    manifest = _run("example_embeddings", "embed", {}, 1)
-    assert manifest["task_type"] == "embed"
-    assert manifest["rows_in"] == manifest["rows_out"] == 8
-    assert manifest["output_tokens"] == 0 and manifest["input_tokens"] > 0
-    rows = {r["id"]: np.asarray(r["embedding"], dtype=np.float64) for r in read_rows(manifest["output_files"])}
-    for vector in rows.values():
-        assert vector.shape == (384,)
-        assert abs(np.linalg.norm(vector) - 1.0) < 1e-3
-
-    def cos(a, b):
-        return float(rows[a] @ rows[b])
-
-    for first, second in ((0, 1), (2, 3), (4, 5)):
-        for unrelated in (6, 7):
-            assert cos(first, second) > cos(first, unrelated) + 0.1, (first, second, unrelated)
+    check_demo_embeddings(_run("example_embeddings", "embed", {}, 1))
 
 
 def test_structured_outputs_parse_and_validate(ray_conn, airflow_db, smollm2):

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from tests.integration.helpers import load_dag, read_rows, task_state, utc, xcom
+from tests.integration.helpers import check_demo_embeddings, load_dag, read_rows, task_state, utc, xcom
 
 pytestmark = pytest.mark.integration
 
@@ -84,6 +84,20 @@ def test_pipeline_parallel_replicas_run_one_per_worker_node(multi_node, smollm2)
     nodes = {a["node_id"] for a in engines}
     assert len(engines) == 2 and len(nodes) == 2, engines
     assert not nodes & head, "engines asked for a worker node's rayllm_engine_node"
+
+
+def test_tensor_parallel_embeddings_are_unit_vectors_that_rank_paraphrases_first(multi_node):
+    """MiniLM's 12 heads split over two tensor-parallel workers still give the right embeddings."""
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    dag = load_dag("dags_examples", "example_embeddings", "example_embeddings")
+    engine_kwargs = {**dag.params["engine_kwargs"], "tensor_parallel_size": 2}
+    dag_run = dag.test(logical_date=utc(2026, 10, 3), run_after=utc(2026, 10, 3), run_conf={"engine_kwargs": engine_kwargs})
+    assert task_state(dag_run, "embed") == "success"
+    manifest = xcom(dag.dag_id, dag_run.run_id, "embed", "return_value")
+    assert (manifest["engine_kwargs"]["tensor_parallel_size"], manifest["engine_kwargs"]["distributed_executor_backend"]) == (2, "mp")
+    check_demo_embeddings(manifest)
+    assert "Worker_TP1" in RayJobHook().get_job_logs(manifest["submission_id"]), "the second tensor-parallel worker should have logged"
 
 
 @pytest.mark.gpu
