@@ -27,6 +27,8 @@ with DAG(
             type="object",
             description="vLLM engine arguments (e.g. tensor_parallel_size: 2 splits MiniLM's 12 heads over two workers)",
         ),
+        "concurrency": Param(1, type=["integer", "array"], description="Engine replicas: n, or [min, max]"),
+        "placement_group_config": Param(None, type=["object", "null"], description="Bundles and strategy per engine"),
     },
     render_template_as_native_obj=True,
 ) as dag:
@@ -39,7 +41,8 @@ with DAG(
         output_column="embedding",
         engine_kwargs="{{ params.engine_kwargs }}",
         batch_size=32,
-        concurrency=1,
+        concurrency="{{ params.concurrency }}",
+        placement_group_config="{{ params.placement_group_config }}",
         apply_chat_template=False,
         detokenize=False,
     )

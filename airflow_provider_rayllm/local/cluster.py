@@ -243,7 +243,7 @@ class LocalRayCluster:
         except (urllib.error.URLError, OSError, FileNotFoundError):
             return False
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         """Stop this cluster only (``ray stop`` would stop every Ray on the machine)."""
         import psutil
 

@@ -101,6 +101,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         "concurrency",
         "placement_group_config",
         "accelerator_type",
+        "job_runtime_env",
     )
     template_fields_renderers = {
         "sampling_params": "json",
@@ -244,6 +245,17 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         env = super().job_secrets()
         if self.sql is not None and self.sql_conn_id:
             env.update(credentials.sql_source(self.sql_conn_id)[1])
+        # The guide's runtime_env={"env_vars": {"HF_TOKEN": ...}}: accepted, but the token travels as a job
+        # secret, not in the runtime_env that Ray shows. A connection (hf_conn_id) wins over it.
+        guide_tokens = _guide_tokens(self.runtime_env)
+        if guide_tokens:
+            self.log.warning(
+                "runtime_env.env_vars %s: moved to the job's secrets (Ray would show runtime_env env vars); "
+                "an Airflow connection passed as hf_conn_id keeps the token out of the DAG file too",
+                sorted(guide_tokens),
+            )
+        for name, value in guide_tokens.items():
+            env.setdefault(name, value)
         return env
 
     def spec_body(self, context: Context, output_uri: str, package_dir: Path) -> dict[str, Any]:
@@ -258,7 +270,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
             "concurrency": self.concurrency,
             "batch_size": self.batch_size,
             "accelerator_type": self.accelerator_type,
-            "runtime_env": self.runtime_env,
+            "runtime_env": _without_guide_tokens(self.runtime_env),
             "max_concurrent_batches": self.max_concurrent_batches,
             "max_tasks_in_flight_per_actor": self.max_tasks_in_flight_per_actor,
             "max_pending_requests": self.max_pending_requests,
@@ -323,3 +335,18 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
             "batch_size": self.batch_size,
             "request_timeout_s": self.serve_request_timeout_s,
         }
+
+
+HF_TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+
+
+def _guide_tokens(runtime_env: dict[str, Any] | None) -> dict[str, str]:
+    env_vars = (runtime_env or {}).get("env_vars") or {}
+    return {k: str(env_vars[k]) for k in HF_TOKEN_VARS if env_vars.get(k)}
+
+
+def _without_guide_tokens(runtime_env: dict[str, Any] | None) -> dict[str, Any] | None:
+    env_vars = (runtime_env or {}).get("env_vars") or {}
+    if not any(k in env_vars for k in HF_TOKEN_VARS):
+        return runtime_env
+    return {**runtime_env, "env_vars": {k: v for k, v in env_vars.items() if k not in HF_TOKEN_VARS}}  # type: ignore[dict-item]

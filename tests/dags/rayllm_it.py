@@ -16,6 +16,7 @@ PARAMS = {
     "prompt_column": Param("prompt", type="string"),
     "engine_kwargs": Param({"max_model_len": 256}, type="object"),
     "sql": Param("", type="string"),
+    "job_runtime_env": Param({}, type="object"),
 }
 
 
@@ -42,6 +43,8 @@ _VARIANTS = {
     "rayllm_it_sync": {"deferrable": False},
     # Input from a SQL query on the `sql_test` connection.
     "rayllm_it_sql": {"deferrable": False, "input_uri": None, "sql": "{{ params.sql }}", "sql_conn_id": "sql_test"},
+    # A model by Hugging Face id, its token from the `hf_test` connection, the Hub's address in the job's env.
+    "rayllm_it_hub": {"deferrable": False, "hf_conn_id": "hf_test", "job_runtime_env": "{{ params.job_runtime_env }}"},
 }
 
 for _dag_id, _kwargs in _VARIANTS.items():

@@ -14,7 +14,16 @@ import pyarrow.parquet as pq
 # The CPU engine's kernels are not batch-invariant: at temperature 0 an answer can change with the
 # requests it shares a step with, or with a prefix read from the cache. One request at a time and no
 # prefix cache make greedy answers reproducible, which the tests that compare two runs rely on.
-REPRODUCIBLE_ENGINE = {"max_model_len": 1024, "max_num_seqs": 1, "enable_prefix_caching": False}
+# The same runs also carry the guide's memory FAQ levers, which test_the_memory_faq_levers_reach_the_engine
+# reads back from the quickstart run's job log (one engine start serves both).
+REPRODUCIBLE_ENGINE = {
+    "max_model_len": 1024,
+    "max_num_seqs": 1,
+    "enable_prefix_caching": False,
+    "max_num_batched_tokens": 2048,
+    "gpu_memory_utilization": 0.15,
+    "block_size": 32,
+}
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> str:

@@ -31,9 +31,9 @@ def _wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = 
 
 
 @contextmanager
-def _process(cmd: list[str], url: str, log: Path, timeout: float = 60.0) -> Iterator[None]:
+def _process(cmd: list[str], url: str, log: Path, timeout: float = 60.0, env: dict[str, str] | None = None) -> Iterator[None]:
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
         _wait_http(url, timeout, proc)
         yield
@@ -43,6 +43,18 @@ def _process(cmd: list[str], url: str, log: Path, timeout: float = 60.0) -> Iter
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@contextmanager
+def hf_hub_server(log_dir: Path, repo_id: str, model_dir: Path, token: str) -> Iterator[tuple[str, Path]]:
+    """A gated Hugging Face Hub serving `model_dir` as `repo_id` (hf_hub_server.py); yields its URL and
+    the file where it logs each request and whether it carried the token."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    requests = log_dir / f"hub-requests-{port}.jsonl"
+    cmd = [sys.executable, str(Path(__file__).with_name("hf_hub_server.py")), str(port), repo_id, str(model_dir), str(requests)]
+    with _process(cmd, url, log_dir / "hf-hub.log", env={"HUB_TOKEN": token}):
+        yield url, requests
 
 
 @contextmanager

@@ -116,3 +116,25 @@ def test_vision_rows_answer_from_their_own_image_and_a_broken_image_is_an_error_
     assert out[0] == out[5] and out[2] == out[6] and out[4] == out[7], "a file gives what its data: URL gives"
     assert len({out[0], out[2], out[4]}) == 3, "a different image changes the answer: the image reaches the model"
     assert manifest["output_tokens"] > 0
+
+
+def test_the_memory_faq_levers_reach_the_engine(quickstart_run):
+    """The guide's memory FAQ levers (max_model_len, max_num_batched_tokens, gpu_memory_utilization, a share
+    of RAM on the CPU engine, block_size, max_num_seqs), given to example_vllm_batch's engine_kwargs by the
+    session's quickstart run."""
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+    from tests.integration.helpers import REPRODUCIBLE_ENGINE
+
+    manifest = quickstart_run["manifest"]
+    assert quickstart_run["state"] == "success" and manifest["rows_errored"] == 0
+    assert {k: manifest["engine_kwargs"][k] for k in REPRODUCIBLE_ENGINE} == REPRODUCIBLE_ENGINE
+    logs = RayJobHook().get_job_logs(manifest["submission_id"])
+    # vLLM's own start-up lines, as the engine read the settings.
+    assert "max_seq_len=1024," in logs
+    assert "max_num_batched_tokens=2048" in logs
+    kv = re.search(r"Auto set \(([0-9.]+)/([0-9.]+)\) GiB for KV cache on node \d+, with ([0-9.]+) GiB requested", logs)
+    assert kv is not None, "the CPU worker's KV cache line is missing"
+    total, requested = float(kv[2]), float(kv[3])
+    assert abs(requested - 0.15 * total) < 0.011, (requested, total)
+    tokens = re.search(r"KV cache size: ([0-9,]+) tokens", logs)
+    assert tokens is not None and int(tokens[1].replace(",", "")) % 32 == 0

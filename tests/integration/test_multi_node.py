@@ -2,7 +2,8 @@
 
 Three raylets on this machine: the head (driver and the light stages) and two worker nodes that each offer
 one `rayllm_engine_node`. dags_examples/example_model_parallel.py as shipped asks for two engine replicas,
-each split into two pipeline stages and each needing one node's `rayllm_engine_node`.
+each split into two pipeline stages and each needing one node's `rayllm_engine_node`; the tests run one such replica, and two tensor-parallel
+embedding engines, one per worker node.
 """
 
 from __future__ import annotations
@@ -57,12 +58,25 @@ def test_the_local_cluster_has_a_head_and_two_worker_nodes(multi_node):
     assert len({n["temp_dir"] for n in multi_node["info"].worker_nodes} | {multi_node["info"].temp_dir}) == 3
 
 
-def test_pipeline_parallel_replicas_run_one_per_worker_node(multi_node, smollm2):
+def _engine_nodes(multi_node, submission_id: str) -> tuple[list[str], set[str]]:
+    """The nodes Ray's actor table records for this job's engine actors, and the head's node id."""
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
 
     info = multi_node["info"]
+    job_id = RayJobHook().client.get_job_info(submission_id).job_id
+    actors = _state_api(info, "/api/v0/actors?detail=1&limit=10000")
+    engines = [a["node_id"] for a in actors if a["class_name"] == ENGINE_ACTOR and a["job_id"] == job_id]
+    head = {n["node_id"] for n in multi_node["cluster"].alive_nodes(info) if n["is_head_node"]}
+    return engines, head
+
+
+def test_a_pipeline_parallel_engine_runs_on_the_node_its_placement_asks_for(multi_node, smollm2):
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
     dag = load_dag("dags_examples", "example_model_parallel", "example_model_parallel")
-    dag_run = dag.test(logical_date=utc(2026, 10, 1), run_after=utc(2026, 10, 1), run_conf={"model_source": str(smollm2)})
+    # One replica of the example's settings (its default of two costs a second compiling engine here).
+    conf = {"model_source": str(smollm2), "concurrency": 1}
+    dag_run = dag.test(logical_date=utc(2026, 10, 1), run_after=utc(2026, 10, 1), run_conf=conf)
     assert task_state(dag_run, "answer") == "success"
     manifest = xcom(dag.dag_id, dag_run.run_id, "answer", "return_value")
     assert manifest["rows_in"] == manifest["rows_out"] == 16 and manifest["rows_errored"] == 0
@@ -72,32 +86,32 @@ def test_pipeline_parallel_replicas_run_one_per_worker_node(multi_node, smollm2)
     # The model ran through both pipeline stages: a broken split would not answer this.
     answers = {r["prompt"]: r["response"] for r in read_rows(manifest["output_files"])}
     assert "Paris" in answers["What is the capital of France?"], answers["What is the capital of France?"]
+    assert "Worker_PP1" in RayJobHook().get_job_logs(manifest["submission_id"]), "the second pipeline stage's worker should have logged"
 
-    hook = RayJobHook()
-    logs = hook.get_job_logs(manifest["submission_id"])
-    assert "Worker_PP1" in logs, "the second pipeline stage's worker process should have logged"
-
-    # Ray's own record of where the engines ran: two replicas, on two different worker nodes.
-    job_id = hook.client.get_job_info(manifest["submission_id"]).job_id
-    engines = [a for a in _state_api(info, "/api/v0/actors?detail=1&limit=10000") if a["class_name"] == ENGINE_ACTOR and a["job_id"] == job_id]
-    head = {n["node_id"] for n in multi_node["cluster"].alive_nodes(info) if n["is_head_node"]}
-    nodes = {a["node_id"] for a in engines}
-    assert len(engines) == 2 and len(nodes) == 2, engines
-    assert not nodes & head, "engines asked for a worker node's rayllm_engine_node"
+    engines, head = _engine_nodes(multi_node, manifest["submission_id"])
+    assert len(engines) == 1 and engines[0] not in head, "the engine asked for a worker node's rayllm_engine_node"
 
 
-def test_tensor_parallel_embeddings_are_unit_vectors_that_rank_paraphrases_first(multi_node):
-    """MiniLM's 12 heads split over two tensor-parallel workers still give the right embeddings."""
+def test_tensor_parallel_replicas_run_one_per_worker_node_and_embed_right(multi_node):
+    """MiniLM's 12 heads split over two tensor-parallel workers, two such engines, one on each worker node."""
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
 
     dag = load_dag("dags_examples", "example_embeddings", "example_embeddings")
-    engine_kwargs = {**dag.params["engine_kwargs"], "tensor_parallel_size": 2}
-    dag_run = dag.test(logical_date=utc(2026, 10, 3), run_after=utc(2026, 10, 3), run_conf={"engine_kwargs": engine_kwargs})
+    conf = {
+        "engine_kwargs": {**dag.params["engine_kwargs"], "tensor_parallel_size": 2},
+        "concurrency": [2, 2],
+        "placement_group_config": {"bundles": [{"CPU": 0.5, "rayllm_engine_node": 0.5}] * 2, "strategy": "STRICT_PACK"},
+    }
+    dag_run = dag.test(logical_date=utc(2026, 10, 3), run_after=utc(2026, 10, 3), run_conf=conf)
     assert task_state(dag_run, "embed") == "success"
     manifest = xcom(dag.dag_id, dag_run.run_id, "embed", "return_value")
     assert (manifest["engine_kwargs"]["tensor_parallel_size"], manifest["engine_kwargs"]["distributed_executor_backend"]) == (2, "mp")
     check_demo_embeddings(manifest)
     assert "Worker_TP1" in RayJobHook().get_job_logs(manifest["submission_id"]), "the second tensor-parallel worker should have logged"
+
+    engines, head = _engine_nodes(multi_node, manifest["submission_id"])
+    assert len(engines) == 2 and len(set(engines)) == 2, engines
+    assert not set(engines) & head, "engines asked for a worker node's rayllm_engine_node"
 
 
 @pytest.mark.gpu

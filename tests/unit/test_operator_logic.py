@@ -101,6 +101,14 @@ def test_guide_names_reach_the_spec(tmp_path):
     assert spec.run.dag_id == "dag" and spec.sink.uri == "/out"
 
 
+def test_the_guides_hf_token_in_runtime_env_becomes_a_job_secret(tmp_path):
+    op = operator(runtime_env={"env_vars": {"HF_TOKEN": "hf_guide", "OTHER": "1"}, "pip": ["x"]})
+    spec = op.build_spec({"ti": Ti()}, tmp_path)
+    assert spec.processor.runtime_env == {"env_vars": {"OTHER": "1"}, "pip": ["x"]}
+    assert "hf_guide" not in spec.to_json()
+    assert op.job_secrets()["HF_TOKEN"] == "hf_guide"
+
+
 def test_callable_preprocess_is_pickled_into_the_job_package(tmp_path):
     op = operator(prompt_column=None, preprocess=lambda row: {"messages": [{"role": "user", "content": row["q"]}]})
     spec = op.build_spec({"ti": Ti()}, tmp_path)
