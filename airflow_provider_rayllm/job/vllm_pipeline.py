@@ -117,9 +117,7 @@ def placement_for(spec: VLLMProcessorSpec, profile: str, engine_kwargs: dict[str
     if spec.placement_group_config is not None:
         return spec.placement_group_config
     if profile == "cpu":
-        tp = int(engine_kwargs.get("tensor_parallel_size", 1))
-        pp = int(engine_kwargs.get("pipeline_parallel_size", 1))
-        return {"bundles": [{"CPU": 1}] * (tp * pp), "strategy": "PACK"}
+        return {"bundles": [{"CPU": 1}] * world_size(engine_kwargs), "strategy": "PACK"}
     return None
 
 
@@ -216,9 +214,7 @@ def check_resources(spec: VLLMProcessorSpec, profile: str, placement: dict[str, 
         bundles = placement.get("bundles") or []
         wanted = sum(float(b.get("GPU", 0)) for b in bundles)
         if "bundle_per_worker" in placement:
-            tp = int(spec.engine_kwargs.get("tensor_parallel_size", 1))
-            pp = int(spec.engine_kwargs.get("pipeline_parallel_size", 1))
-            wanted = float(placement["bundle_per_worker"].get("GPU", 0)) * tp * pp
+            wanted = float(placement["bundle_per_worker"].get("GPU", 0)) * world_size(spec.engine_kwargs)
         if wanted > 0 and gpus == 0:
             raise JobError(
                 f"placement_group_config asks for {wanted:g} GPU(s) per engine but the Ray cluster has none"

@@ -108,11 +108,7 @@ class LocalRayCluster:
         ]
         if resources:
             cmd.append(f"--resources={json.dumps(resources)}")
-        log_path = self.state_dir / f"ray-start-w{len(nodes) + 1}.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.run(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"`ray start --address` failed with exit code {proc.returncode}; see {log_path}:\n{log_path.read_text()[-3000:]}")
+        self._ray_start(cmd, self.state_dir / f"ray-start-w{len(nodes) + 1}.log", timeout)
         node = {"temp_dir": temp_dir, "num_cpus": num_cpus, "resources": dict(resources or {})}
         nodes.append(node)
         info.worker_nodes = nodes
@@ -158,6 +154,12 @@ class LocalRayCluster:
         env["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
         return env
 
+    def _ray_start(self, cmd: list[str], log_path: Path, timeout: float) -> None:
+        with open(log_path, "w") as log:
+            proc = subprocess.run(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd[1:3])}` failed with exit code {proc.returncode}; see {log_path}:\n{log_path.read_text()[-3000:]}")
+
     def _ray_bin(self) -> str:
         candidate = Path(sys.executable).with_name("ray")
         return str(candidate) if candidate.exists() else shutil.which("ray") or "ray"
@@ -193,11 +195,7 @@ class LocalRayCluster:
         ]
         if self.resources:
             cmd.append(f"--resources={json.dumps(self.resources)}")
-        log_path = self.state_dir / "ray-start.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.run(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"`ray start` failed with exit code {proc.returncode}; see {log_path}:\n{log_path.read_text()[-3000:]}")
+        self._ray_start(cmd, self.state_dir / "ray-start.log", timeout)
         info = ClusterInfo(
             gcs_address=f"127.0.0.1:{gcs}",
             dashboard_url=f"http://127.0.0.1:{dash}",

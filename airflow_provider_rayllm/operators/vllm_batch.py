@@ -247,16 +247,23 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
             env.update(credentials.sql_source(self.sql_conn_id)[1])
         # The guide's runtime_env={"env_vars": {"HF_TOKEN": ...}}: accepted, but the token travels as a job
         # secret, not in the runtime_env that Ray shows. A connection (hf_conn_id) wins over it.
-        guide_tokens = _guide_tokens(self.runtime_env)
-        if guide_tokens:
-            self.log.warning(
-                "runtime_env.env_vars %s: moved to the job's secrets (Ray would show runtime_env env vars); "
-                "an Airflow connection passed as hf_conn_id keeps the token out of the DAG file too",
-                sorted(guide_tokens),
-            )
-        for name, value in guide_tokens.items():
+        for name, value in _guide_tokens(self.runtime_env).items():
             env.setdefault(name, value)
         return env
+
+    def _runtime_env_without_tokens(self) -> dict[str, Any] | None:
+        """The engine's runtime_env as the spec carries it; job_secrets() carries the tokens taken out.
+        Said once per submission (job_secrets() runs again when the result is published)."""
+        tokens = _guide_tokens(self.runtime_env)
+        if not tokens:
+            return self.runtime_env
+        self.log.warning(
+            "runtime_env.env_vars %s: moved to the job's secrets (Ray would show runtime_env env vars); "
+            "an Airflow connection passed as hf_conn_id keeps the token out of the DAG file too",
+            sorted(tokens),
+        )
+        env_vars = {k: v for k, v in self.runtime_env["env_vars"].items() if k not in HF_TOKEN_VARS}  # type: ignore[index]
+        return {**self.runtime_env, "env_vars": env_vars}  # type: ignore[dict-item]
 
     def spec_body(self, context: Context, output_uri: str, package_dir: Path) -> dict[str, Any]:
         stages = map_guide_flags({k: v for k, v in self.stage_settings.items() if v is not None})
@@ -270,7 +277,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
             "concurrency": self.concurrency,
             "batch_size": self.batch_size,
             "accelerator_type": self.accelerator_type,
-            "runtime_env": _without_guide_tokens(self.runtime_env),
+            "runtime_env": self._runtime_env_without_tokens(),
             "max_concurrent_batches": self.max_concurrent_batches,
             "max_tasks_in_flight_per_actor": self.max_tasks_in_flight_per_actor,
             "max_pending_requests": self.max_pending_requests,
@@ -343,10 +350,3 @@ HF_TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 def _guide_tokens(runtime_env: dict[str, Any] | None) -> dict[str, str]:
     env_vars = (runtime_env or {}).get("env_vars") or {}
     return {k: str(env_vars[k]) for k in HF_TOKEN_VARS if env_vars.get(k)}
-
-
-def _without_guide_tokens(runtime_env: dict[str, Any] | None) -> dict[str, Any] | None:
-    env_vars = (runtime_env or {}).get("env_vars") or {}
-    if not any(k in env_vars for k in HF_TOKEN_VARS):
-        return runtime_env
-    return {**runtime_env, "env_vars": {k: v for k, v in env_vars.items() if k not in HF_TOKEN_VARS}}  # type: ignore[dict-item]

@@ -173,3 +173,13 @@ def check_demo_embeddings(manifest: dict[str, Any]) -> None:
     for first, second in ((0, 1), (2, 3), (4, 5)):
         for unrelated in (6, 7):
             assert cos(first, second) > cos(first, unrelated) + 0.1, (first, second, unrelated)
+
+
+def leaked_into_ray_logs(temp_dir: str, secrets: dict[str, str]) -> list[str]:
+    """Ray's log files of a local cluster that contain any of the named secrets, as 'path: name'."""
+    leaked = []
+    for path in Path(temp_dir).rglob("*"):
+        if path.is_file() and "logs" in path.parts and path.stat().st_size < 50_000_000:
+            content = path.read_bytes()
+            leaked += [f"{path}: {name}" for name, secret in secrets.items() if secret.encode() in content]
+    return leaked

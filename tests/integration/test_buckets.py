@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.integration.helpers import load_dag, task_state, utc, xcom
+from tests.integration.helpers import leaked_into_ray_logs, load_dag, task_state, utc, xcom
 
 pytestmark = pytest.mark.integration
 
@@ -111,13 +110,7 @@ def test_the_secret_shows_nowhere(bucket_run, ray_conn):
         assert secret not in logs
         for key in ("return_value", "output_uri", "ray_job_url", "submission_id"):
             assert secret not in json.dumps(xcom(dag_run.dag_id, dag_run.run_id, "generate", key))
-    log_root = Path(ray_conn["info"].temp_dir)
-    leaked = []
-    for path in log_root.rglob("*"):
-        if path.is_file() and "logs" in path.parts and path.stat().st_size < 50_000_000:
-            content = path.read_bytes()
-            leaked += [f"{path}: {name}" for name, secret in (("aws", CANARY), ("ray token", ray_token)) if secret.encode() in content]
-    assert leaked == []
+    assert leaked_into_ray_logs(ray_conn["info"].temp_dir, {"aws": CANARY, "ray token": ray_token}) == []
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import load_dag, read_rows, task_state, utc, write_jsonl, xcom
+from tests.integration.helpers import leaked_into_ray_logs, load_dag, read_rows, task_state, utc, write_jsonl, xcom
 
 pytestmark = pytest.mark.integration
 
@@ -63,9 +63,4 @@ def test_hf_token_from_a_connection_opens_a_gated_hub_and_shows_nowhere(ray_conn
     for key in ("return_value", "output_uri", "ray_job_url", "submission_id"):
         assert token not in json.dumps(xcom(dag_run.dag_id, dag_run.run_id, "generate", key))
     assert token not in task_output.out + task_output.err
-    leaked = [
-        str(path)
-        for path in Path(ray_conn["info"].temp_dir).rglob("*")
-        if path.is_file() and "logs" in path.parts and path.stat().st_size < 50_000_000 and token.encode() in path.read_bytes()
-    ]
-    assert leaked == []
+    assert leaked_into_ray_logs(ray_conn["info"].temp_dir, {"hf token": token}) == []
