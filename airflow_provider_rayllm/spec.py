@@ -233,15 +233,24 @@ class VLLMProcessorSpec(_Strict):
     batch_size: int = Field(32, ge=1, description="Rows per batch sent to an engine replica.")
     accelerator_type: str | None = Field(None, description="GPU type the engine needs, e.g. 'L4'.")
     runtime_env: dict[str, Any] | None = Field(None, description="Ray runtime_env for the engine stage.")
-    max_concurrent_batches: int = Field(8, ge=1, description="Batches in flight per engine replica.")
+    max_concurrent_batches: int | None = Field(
+        None, ge=1,
+        description="Batches in flight per engine replica; default: enough for twice the engine's max_num_seqs.",
+    )
     max_tasks_in_flight_per_actor: int | None = Field(None, ge=1, description="Ray Data tasks per engine actor.")
-    max_pending_requests: int | None = Field(None, ge=1, description="Engine pending request cap.")
+    max_pending_requests: int | None = Field(
+        None, ge=1, description="Requests the engine holds at once; default: twice its max_num_seqs."
+    )
     placement_group_config: dict[str, Any] | None = Field(
         None, description="{'bundles': [...]} or {'bundle_per_worker': {...}}, optional 'strategy'."
     )
     chat_template_stage: bool | dict[str, Any] = Field(True, description="Chat template stage (bool or config).")
-    tokenize_stage: bool | dict[str, Any] = Field(True, description="Tokenize stage (bool or config).")
-    detokenize_stage: bool | dict[str, Any] = Field(True, description="Detokenize stage (bool or config).")
+    tokenize_stage: bool | dict[str, Any] = Field(
+        False, description="Ray's tokenize stage (bool or config); off: the vLLM engine tokenizes the prompt itself."
+    )
+    detokenize_stage: bool | dict[str, Any] = Field(
+        False, description="Ray's detokenize stage (bool or config); off: the vLLM engine's own text is used."
+    )
     prepare_multimodal_stage: bool | dict[str, Any] = Field(False, description="Multimodal stage (bool or config).")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra kwargs for apply_chat_template.")
     dynamic_lora_loading_path: str | None = Field(None, description="Folder or bucket of LoRA adapters.")
@@ -395,6 +404,11 @@ class ServeProcessorSpec(_Strict):
 class SinkSpec(_Strict):
     uri: str = Field(description="Output prefix (folder or bucket prefix) owned by this task instance.")
     format: SinkFormat = Field("parquet", description="parquet or jsonl.")
+    rows_per_file: int | None = Field(
+        None, ge=1, le=10_000_000,
+        description="Answered rows gathered into one output file; files appear as each fills, while the job runs. "
+        "They are also what a resumed attempt keeps (id_column). Default: 1000, or one engine batch with id_column.",
+    )
     table: TableSinkSpec | None = Field(None, description="Also write the output rows to a warehouse table.")
 
     @field_validator("uri")

@@ -1,17 +1,17 @@
-"""Reading sources and writing sinks through pyarrow filesystems (local paths, s3://, gs://)."""
+"""Storage through pyarrow filesystems (local paths, s3://, gs://): paths, listings, whole-file writes."""
 
 from __future__ import annotations
 
-import glob as globlib
 import json
 import os
 import posixpath
+import uuid
 from typing import Any, Mapping
 
 import pyarrow.fs as pafs
 
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.spec import FileSource, format_from_uri, uri_scheme
+from airflow_provider_rayllm.spec import uri_scheme
 
 
 def _endpoint(url: str) -> tuple[str, str]:
@@ -70,103 +70,6 @@ def join(base: str, *parts: str) -> str:
     return posixpath.join(base, *parts)
 
 
-def _has_glob(path: str) -> bool:
-    return any(ch in path for ch in "*?[")
-
-
-def expand_source(source: FileSource) -> list[str]:
-    """Every input file, in a stable order; a clear error when a path matches nothing."""
-    files: list[str] = []
-    for uri in source.uris:
-        fs, path = filesystem_for(uri)
-        scheme = uri_scheme(uri)
-        prefix = "" if scheme == "file" else f"{scheme}://"
-        if _has_glob(path):
-            if scheme == "file":
-                matched = sorted(p for p in globlib.glob(path, recursive=True) if os.path.isfile(p))
-            else:
-                base = path.split("*", 1)[0].rsplit("/", 1)[0]
-                selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
-                import fnmatch
-
-                matched = sorted(
-                    prefix + info.path
-                    for info in fs.get_file_info(selector)
-                    if info.type == pafs.FileType.File and fnmatch.fnmatch(info.path, path)
-                )
-            if not matched:
-                raise JobError(f"source.uris: no file matches {uri!r}")
-            files.extend(matched)
-            continue
-        try:
-            info = fs.get_file_info(path)
-        except Exception as exc:
-            raise JobError(f"source.uris: cannot read {uri!r}: {exc}") from exc
-        if info.type == pafs.FileType.NotFound:
-            raise JobError(f"source.uris: {uri!r} does not exist")
-        if info.type == pafs.FileType.Directory:
-            selector = pafs.FileSelector(path, recursive=True)
-            inner = sorted(
-                prefix + i.path
-                for i in fs.get_file_info(selector)
-                if i.type == pafs.FileType.File and not posixpath.basename(i.path).startswith(("_", "."))
-            )
-            if not inner:
-                raise JobError(f"source.uris: folder {uri!r} holds no data files")
-            files.extend(inner)
-        else:
-            files.append(prefix + path if prefix else path)
-    return files
-
-
-def file_format(source: FileSource, files: list[str]) -> str:
-    if source.format:
-        return source.format
-    formats = {format_from_uri(f) for f in files}
-    if len(formats) != 1 or None in formats:
-        shown = sorted(os.path.basename(f) for f in files)[:5]
-        raise JobError(
-            f"source.format: cannot infer one format from the files {shown!r}; "
-            "set input_format to 'parquet', 'jsonl' or 'csv'"
-        )
-    return str(formats.pop())
-
-
-def read_source(source: FileSource, files: list[str]) -> Any:
-    """A lazy Ray dataset over the given files."""
-    import ray.data
-
-    fmt = file_format(source, files)
-    kwargs: dict[str, Any] = {}
-    fs, _ = filesystem_for(files[0])
-    if uri_scheme(files[0]) != "file":
-        kwargs["filesystem"] = fs
-        files = [filesystem_for(f)[1] for f in files]
-    if fmt == "parquet":
-        if source.columns:
-            kwargs["columns"] = source.columns
-        return ray.data.read_parquet(files, **kwargs)
-    if fmt == "jsonl":
-        if "filesystem" in kwargs:
-            # Ray 2.60's line reader takes no filesystem; pyarrow's JSON reader (the default one) reads
-            # newline-delimited JSON and does.
-            ds = ray.data.read_json(files, **kwargs)
-        else:
-            ds = ray.data.read_json(files, lines=True)
-    else:
-        ds = ray.data.read_csv(files, **kwargs)
-    return ds.select_columns(source.columns) if source.columns else ds
-
-
-def write_dataset(ds: Any, uri: str, fmt: str) -> None:
-    fs, path = filesystem_for(uri)
-    kwargs: dict[str, Any] = {"filesystem": fs}
-    if fmt == "parquet":
-        ds.write_parquet(path, **kwargs)
-    else:
-        ds.write_json(path, lines=True, **kwargs)
-
-
 def list_files(uri: str) -> list[dict[str, Any]]:
     """Files under ``uri`` with their sizes, as URIs in the caller's scheme."""
     fs, path = filesystem_for(uri)
@@ -185,10 +88,15 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
     parent = posixpath.dirname(path) if uri_scheme(uri) != "file" else os.path.dirname(path)
     fs.create_dir(parent, recursive=True)
     if uri_scheme(uri) == "file":
-        tmp = path + ".tmp"
-        with fs.open_output_stream(tmp) as out:
-            out.write(data)
-        os.replace(tmp, path)
+        # A name of this writer's own: two writers of one file never share (or remove) a temp file.
+        tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            with fs.open_output_stream(tmp) as out:
+                out.write(data)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     else:
         with fs.open_output_stream(path) as out:
             out.write(data)
@@ -216,3 +124,12 @@ def list_subdirs(uri: str) -> list[str]:
     fs, path = filesystem_for(uri)
     selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
     return sorted(posixpath.basename(i.path) for i in fs.get_file_info(selector) if i.type == pafs.FileType.Directory)
+
+
+def copy_file(source: str, target: str) -> None:
+    """One file to another place of the same store (a server-side copy on object stores)."""
+    fs, src = filesystem_for(source)
+    _, dst = filesystem_for(target)
+    parent = os.path.dirname(dst) if uri_scheme(target) == "file" else posixpath.dirname(dst)
+    fs.create_dir(parent, recursive=True)
+    fs.copy_file(src, dst)

@@ -10,12 +10,6 @@ from airflow_provider_rayllm import __version__
 from airflow_provider_rayllm.job import io
 from airflow_provider_rayllm.spec import MANIFEST_LOG_PREFIX, MANIFEST_NAME, MANIFEST_VERSION, JobSpec
 
-GENERATIONS = "_generations"
-
-
-def generation_uri(output_uri: str, submission_id: str) -> str:
-    return io.join(output_uri, GENERATIONS, submission_id)
-
 
 def manifest_uri(output_uri: str) -> str:
     return io.join(output_uri, MANIFEST_NAME)
@@ -25,17 +19,15 @@ def build(
     *,
     spec: JobSpec,
     submission_id: str,
+    generation: str,
     outputs_uri: str,
     errors_uri: str,
-    output_files: list[dict[str, Any]],
-    error_files: list[dict[str, Any]],
+    written: dict[str, Any],
     rows_in: int,
-    rows_out: int,
-    rows_errored: int,
-    input_tokens: int,
-    output_tokens: int,
+    rows_resumed: int,
     started_at: str,
     wall_time_s: float,
+    first_output_s: float | None,
     details: dict[str, Any],
     versions: dict[str, str],
     table_rows: int = 0,
@@ -45,19 +37,23 @@ def build(
         "manifest_version": MANIFEST_VERSION,
         "status": "SUCCEEDED",
         "submission_id": submission_id,
+        "generation": generation,
         "spec_hash": spec.content_hash(),
         "output_uri": spec.sink.uri,
         "outputs_uri": outputs_uri,
         "errors_uri": errors_uri,
         "format": spec.sink.format,
-        "output_files": output_files,
-        "error_files": error_files,
+        "output_files": written["output_files"],
+        "error_files": written["error_files"],
         "rows_in": rows_in,
-        "rows_out": rows_out,
-        "rows_errored": rows_errored,
-        "input_tokens": input_tokens,
-        "output_tokens": output_tokens,
+        "rows_out": written["rows_out"],
+        "rows_errored": written["rows_errored"],
+        "rows_resumed": rows_resumed,
+        "errors_by_reason": written["errors_by_reason"],
+        "input_tokens": written["input_tokens"],
+        "output_tokens": written["output_tokens"],
         "wall_time_s": round(wall_time_s, 3),
+        "first_output_s": first_output_s,
         "started_at": started_at,
         "finished_at": datetime.now(timezone.utc).isoformat(),
         "kind": spec.kind,
@@ -78,14 +74,6 @@ def publish(output_uri: str, body: dict[str, Any]) -> None:
 
 def read(output_uri: str, env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
     return io.read_json(manifest_uri(output_uri), env)
-
-
-def remove_stale_generations(output_uri: str, keep_submission_id: str) -> None:
-    """A rerun replaces its own output: older generations go once the new manifest is in place."""
-    base = io.join(output_uri, GENERATIONS)
-    for name in io.list_subdirs(base):
-        if name != keep_submission_id:
-            io.delete_dir(io.join(base, name))
 
 
 def log_line(body: dict[str, Any]) -> str:

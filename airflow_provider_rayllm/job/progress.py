@@ -1,222 +1,212 @@
-"""Progress of the rows through the engine or endpoint: a line in the job log every few seconds.
+"""Row bookkeeping while the stream runs, and the progress line in the job log.
 
-A light stage right after the engine (or the endpoint callers) counts each finished batch (rows, error
-rows, generated tokens) into a small counter actor; a thread in the driver reads the counter and prints
-``RAYLLM_PROGRESS {json}`` whenever it changed. The operator turns those lines into a readable progress
-line in the task log (the trigger does the same while the task is deferred).
+The stages report into one small actor, the tally: the request step counts the rows it reads (and the
+rows it skips because an earlier attempt answered them), the sink counts the rows it wrote, the error
+rows and the tokens. Each report carries a key that is the same when Ray retries the same task, so a
+retry is not counted twice. A thread in the driver reads the tally every few seconds and prints
+``RAYLLM_PROGRESS {json}`` when it changed; the operator turns those lines into readable progress lines
+in the task log (the trigger does the same while the task is deferred).
 
-A stage sees a block only when the stage before it emits it, so the rows are cut into blocks of a few
-batches (at most ``MAX_BLOCKS`` blocks) before the engine: progress moves in steps of one block.
+The tally is for progress and for the job's own cross-check of its counts. The manifest's counts come
+from what the sink reports for the files it wrote (Ray Data hands every write task's result to the
+driver once, when the write completes).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import threading
 import time
-from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from airflow_provider_rayllm.spec import PROGRESS_LOG_PREFIX
+from airflow_provider_rayllm.contract import Progress
 
-MAX_BLOCKS = 200
 INTERVAL_S = 10.0
+# A line at least this often even when nothing changed (an engine starting, a slow first batch).
+HEARTBEAT_S = 60.0
 
 
-@dataclass
-class Progress:
-    rows_done: int
-    rows_total: int
-    rows_errored: int
-    tokens_out: int
-    elapsed_s: float
-    tokens_per_s: float
-
-    def line(self) -> str:
-        return PROGRESS_LOG_PREFIX + json.dumps(asdict(self))
-
-
-def parse(line: str) -> dict[str, Any] | None:
-    """The payload of a progress line, or None for any other line."""
-    if not line.startswith(PROGRESS_LOG_PREFIX):
-        return None
-    try:
-        payload = json.loads(line[len(PROGRESS_LOG_PREFIX) :])
-    except json.JSONDecodeError:
-        return None
-    return payload if isinstance(payload, dict) else None
-
-
-def last_in(logs: str) -> dict[str, Any] | None:
-    """The newest progress payload in a job log."""
-    for line in reversed(logs.splitlines()):
-        payload = parse(line)
-        if payload is not None:
-            return payload
-    return None
-
-
-def describe(p: dict[str, Any]) -> str:
-    total = int(p.get("rows_total") or 0)
-    done = int(p.get("rows_done") or 0)
-    share = f" ({done / total:.0%})" if total else ""
-    errored = int(p.get("rows_errored") or 0)
-    return (
-        f"{done}/{total} rows done{share}, {errored} error row(s), {int(p.get('tokens_out') or 0)} tokens out, "
-        f"{float(p.get('tokens_per_s') or 0):.1f} tokens/s, {float(p.get('elapsed_s') or 0):.0f} s"
-    )
-
-
-def rows_per_block(rows: int, batch_size: int) -> int:
-    """Whole batches per block, so that there are at most MAX_BLOCKS blocks."""
-    batches = max(1, math.ceil(rows / batch_size))
-    return batch_size * max(1, math.ceil(batches / MAX_BLOCKS))
-
-
-class Counter:
-    """Totals of the finished batches (a Ray actor with no CPU of its own)."""
+class Tally:
+    """Counts reported by the stages (a Ray actor with no CPU of its own); a repeated key is counted once."""
 
     def __init__(self) -> None:
-        self.rows = self.errored = self.tokens = 0
+        self.reads: dict[str, tuple[int, int]] = {}
+        self.answers: dict[str, tuple[int, int, int]] = {}
+        self.writes: dict[str, int] = {}
+        self.saved_rows = 0
+        self.first_answer_at: float | None = None
+        self.first_write_at: float | None = None
 
-    def add(self, rows: int, errored: int, tokens: int) -> None:
-        self.rows += rows
-        self.errored += errored
-        self.tokens += tokens
+    def read(self, key: str, rows: int, skipped: int) -> None:
+        self.reads[key] = (rows, skipped)
 
-    def totals(self) -> tuple[int, int, int]:
-        return self.rows, self.errored, self.tokens
+    def saved(self, rows: int) -> None:
+        self.saved_rows = rows
+
+    def answered(self, key: str, rows: int, errored: int, tokens_out: int, at: float) -> None:
+        if self.first_answer_at is None or at < self.first_answer_at:
+            self.first_answer_at = at
+        self.answers[key] = (rows, errored, tokens_out)
+
+    def wrote(self, key: str, files: int, at: float) -> None:
+        if self.first_write_at is None or at < self.first_write_at:
+            self.first_write_at = at
+        self.writes[key] = files
+
+    def totals(self) -> dict[str, Any]:
+        return {
+            "rows_read": sum(r for r, _ in self.reads.values()),
+            "rows_skipped": sum(s for _, s in self.reads.values()),
+            "rows_saved": self.saved_rows,
+            "rows_answered": sum(a[0] for a in self.answers.values()),
+            "rows_errored": sum(a[1] for a in self.answers.values()),
+            "tokens_out": sum(a[2] for a in self.answers.values()),
+            "files_written": sum(self.writes.values()),
+            "first_answer_at": self.first_answer_at,
+            "first_write_at": self.first_write_at,
+        }
 
 
-def _count(value: Any) -> int:
-    """A token count from a batch column (None or NaN where a row has none) as an int."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return 0
-    return int(number) if math.isfinite(number) else 0
+def call_key(calls: dict[str, int]) -> str:
+    """Task id and the batch's place in the task: the same key for the same batch of a retried task, so
+    the tally counts it once."""
+    import ray
+
+    task = ray.get_runtime_context().get_task_id() or "driver"
+    calls[task] = calls.get(task, 0) + 1
+    return f"{task}:{calls[task]}"
 
 
-class FinishedBatches:
-    """map_batches stage: count the batch, save its good rows when resuming, pass it on unchanged."""
+class Tap:
+    """A stage right after the engine: counts each answered batch (rows, error rows, tokens out) into the
+    tally and passes the batch on unchanged."""
 
-    def __init__(self, counter: Any, error_column: str, tokens_column: str, save: Callable[[dict[str, Any]], Any] | None = None):
-        self.counter, self.error_column, self.tokens_column, self.save = counter, error_column, tokens_column, save
+    def __init__(self, tally: Any, error_column: str, tokens_out: Callable[[Any], int]):
+        self.tally, self.error_column, self.tokens_out = tally, error_column, tokens_out
+        self.calls: dict[str, int] = {}
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        n = len(next(iter(batch.values()))) if batch else 0
-        errors = batch.get(self.error_column)
-        failed = [bool(errors[i]) for i in range(n)] if errors is not None else [False] * n
-        tokens = batch.get(self.tokens_column)
-        generated = sum(_count(tokens[i]) for i in range(n) if not failed[i]) if tokens is not None else 0
-        if self.save is not None:
-            self.save(batch)
-        self.counter.add.remote(n, sum(failed), generated)
+    def __call__(self, batch: Any) -> Any:
+        import pyarrow.compute as pc
+        import ray
+
+        errored = 0
+        if self.error_column in batch.column_names:
+            column = pc.fill_null(batch.column(self.error_column).cast("string"), "")
+            errored = int(pc.sum(pc.not_equal(column, "")).as_py() or 0)
+        tokens = self.tokens_out(batch)
+        ray.get(self.tally.answered.remote(call_key(self.calls), batch.num_rows, errored, tokens, time.time()))
         return batch
 
 
-def watched(
-    good: Any,
-    rows: int,
-    batch_size: int,
-    infer: Callable[[Any], Any],
-    progress: ProgressLog,
-    error_column: str,
-    tokens_column: str,
-    save: Callable[[dict[str, Any]], Any] | None,
-    light: dict[str, Any],
-) -> Any:
-    """``infer(good)`` with each finished batch counted (and saved, with ``save``) as it finishes."""
-    # Only too-big blocks are cut; blocks that are already small enough are left as they are (merging
-    # them would change which rows share an engine batch, and nothing is gained). Materialized before the
-    # engine starts: the repartition task asks for a whole CPU, which a small cluster no longer has once
-    # the engine and its stages hold theirs.
-    per_block = rows_per_block(rows, batch_size)
-    blocks = good
-    if good.num_blocks() < math.ceil(rows / per_block):
-        blocks = good.repartition(target_num_rows_per_block=per_block).materialize()
-    stage = progress.stage(error_column, tokens_column, save)
-    return infer(blocks).map_batches(stage, batch_format="numpy", batch_size=None, **light)
+def column_sum(column: str) -> Callable[[Any], int]:
+    """tokens_out for a Tap: the sum of a numeric column of the batch (missing or null counts 0)."""
+    return _ColumnSum(column)
 
 
-def infer_rows(
-    good: Any,
-    rows: int,
-    batch_size: int,
-    infer: Callable[[Any], Any],
-    progress: ProgressLog,
-    error_column: str,
-    tokens_column: str,
-    shape: Callable[[dict[str, Any]], dict[str, Any]],
-    light: dict[str, Any],
-    checkpoint_uri: str | None = None,
-) -> tuple[Any, Any]:
-    """(output rows shaped by ``shape``, error rows) of ``infer(good)``, each pipeline's engine or callers;
-    with ``checkpoint_uri``, finished rows are saved as they finish (resume)."""
-    from airflow_provider_rayllm.job.checkpoint import CheckpointStage
-    from airflow_provider_rayllm.job.prompts import error_row
+class _ColumnSum:
+    def __init__(self, column: str):
+        self.column = column
 
-    def failed(row: dict[str, Any]) -> bool:
-        return bool(row.get(error_column))
+    def __call__(self, batch: Any) -> int:
+        import pyarrow.compute as pc
 
-    save = CheckpointStage(checkpoint_uri, shape, failed) if checkpoint_uri else None
-    raw = watched(good, rows, batch_size, infer, progress, error_column, tokens_column, save, light).materialize()
-    outputs = raw.filter(lambda r: not failed(r), **light).map(shape, **light).materialize()
-    errors = raw.filter(failed, **light).map(lambda r: error_row(r, error_column), **light)
-    return outputs, errors
+        if self.column not in batch.column_names:
+            return 0
+        return int(pc.sum(batch.column(self.column)).as_py() or 0)
 
 
 class ProgressLog:
-    """Driver side: the counter actor and the thread that prints progress lines while the rows run."""
+    """Driver side: the tally actor, and a thread that prints a progress line when the counts change."""
 
-    def __init__(self, rows_total: int, say: Callable[[str], None], interval_s: float = INTERVAL_S):
-        self.rows_total, self.say, self.interval_s = rows_total, say, interval_s
+    def __init__(
+        self,
+        say: Callable[[str], None],
+        note: Callable[[str], None],
+        engine_actor: str | None = None,
+        interval_s: float = INTERVAL_S,
+    ):
+        self.say, self.note, self.interval_s = say, note, interval_s
+        self.engine_actor = engine_actor
+        self.ready_at: float | None = None
         self._stop = threading.Event()
-        self._last: tuple[int, int, int] | None = None
-        self._last_at = 0.0
+        self._last: dict[str, Any] | None = None
+        self._said_at = 0.0
+        self._first_noted = False
 
     def __enter__(self) -> ProgressLog:
         import ray
 
-        self.counter = ray.remote(num_cpus=0)(Counter).remote()
-        self.started = self._last_at = time.time()
+        self.tally = ray.remote(num_cpus=0)(Tally).remote()
+        self.started = time.time()
         self._thread = threading.Thread(target=self._loop, name="rayllm-progress", daemon=True)
         self._thread.start()
         return self
 
-    def stage(self, error_column: str, tokens_column: str, save: Callable[[dict[str, Any]], Any] | None = None) -> FinishedBatches:
-        return FinishedBatches(self.counter, error_column, tokens_column, save)
-
-    def _report(self, final: bool = False) -> None:
+    def totals(self) -> dict[str, Any]:
         import ray
 
-        totals = ray.get(self.counter.totals.remote(), timeout=30)
-        if totals == self._last and not final:
-            return
+        return ray.get(self.tally.totals.remote(), timeout=60)
+
+    def _report(self, final: bool = False) -> None:
+        totals = self.totals()
         now = time.time()
-        before = self._last or (0, 0, 0)
-        rate = (totals[2] - before[2]) / max(now - self._last_at, 1e-6)
-        if final:
-            rate = totals[2] / max(now - self.started, 1e-6)
-        self._last, self._last_at = totals, now
-        rows, errored, tokens = totals
-        self.say(Progress(rows, self.rows_total, errored, tokens, round(now - self.started, 1), round(rate, 1)).line())
+        if totals == self._last and not final and now - self._said_at < HEARTBEAT_S:
+            return
+        self._last, self._said_at = totals, now
+        first_write, first_answer = totals["first_write_at"], totals["first_answer_at"]
+        if first_write is not None and not self._first_noted:
+            self._first_noted = True
+            self.note(
+                f"first output file written {first_write - self.started:.1f} s after the plan started "
+                f"({totals['rows_answered']} rows answered, {totals['rows_read']} read so far)"
+            )
+        self._watch_engine(now)
+        since = self.ready_at or first_answer
+        rate = totals["tokens_out"] / (now - since) if since is not None and now - since >= 1.0 else 0.0
+        self.say(
+            Progress(
+                rows_done=totals["rows_answered"] + totals["rows_skipped"],
+                rows_total=totals["rows_read"],
+                rows_errored=totals["rows_errored"],
+                tokens_out=totals["tokens_out"],
+                elapsed_s=round(now - self.started, 1),
+                tokens_per_s=round(rate, 1),
+                files_written=totals["files_written"],
+                first_output_s=None if first_write is None else round(first_write - self.started, 1),
+            ).line()
+        )
+
+    def _watch_engine(self, now: float) -> None:
+        """When the engine's actor is up (its constructor, which starts the engine, has returned): the
+        tokens/s of the progress line count from then, not from the job's start."""
+        if self.ready_at is not None or not self.engine_actor:
+            return
+        from ray.util.state import list_actors
+
+        try:
+            alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000, raise_on_missing_output=False)
+        except Exception:  # the state API is a courtesy here
+            return
+        if any(self.engine_actor in (a.class_name or "") for a in alive):
+            self.ready_at = now
+            self.note(f"engine ready {now - self.started:.0f} s after the plan started")
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self._report()
-            except Exception:  # progress is a courtesy; the pipeline decides the outcome
+            except Exception:  # progress is a courtesy; the stream decides the outcome
                 continue
+
+    def finish(self) -> dict[str, Any]:
+        """Stop the thread, print the last line, and return the final totals."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._report(final=True)
+        return self._last or self.totals()
 
     def __exit__(self, *exc: Any) -> None:
         import ray
 
         self._stop.set()
         self._thread.join(timeout=5)
-        try:
-            if exc[0] is None:
-                self._report(final=True)
-        finally:
-            ray.kill(self.counter)
+        ray.kill(self.tally)

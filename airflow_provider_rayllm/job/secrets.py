@@ -13,10 +13,9 @@ import os
 import stat
 import tempfile
 
-SECRETS_FILE = "secrets.json"
-SETUP_HOOK = "airflow_provider_rayllm.job.worker_setup.setup"
+from airflow_provider_rayllm.contract import GCP_KEYFILE_JSON, SECRETS_FILE
+
 # A service-account key travels as JSON text and becomes a 0600 file for the Google clients.
-GCP_KEYFILE_JSON = "RAYLLM_GCP_KEYFILE_JSON"
 GCP_KEYFILE_NAME = "gcp-keyfile.json"
 
 

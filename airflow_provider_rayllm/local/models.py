@@ -125,7 +125,13 @@ def tiny_vlm_path(models_dir: Path = MODELS_DIR) -> Path:
     if (target / "config.json").exists() and (target / "processor_config.json").exists():
         return target
     import torch
-    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, LlamaConfig
+    from transformers import (
+        AutoTokenizer,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        LlamaConfig,
+    )
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 

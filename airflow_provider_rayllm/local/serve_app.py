@@ -25,6 +25,10 @@ def deploy(args: argparse.Namespace) -> int:
     if args.cpu:
         # On the CPU engine this is a share of RAM for the KV cache; eager mode skips a long compile.
         engine_kwargs.update(enforce_eager=True, gpu_memory_utilization=0.15)
+        from airflow_provider_rayllm.job.engines.vllm import cpu_has_native_half
+
+        if not cpu_has_native_half():
+            engine_kwargs["dtype"] = "float32"  # half precision would be emulated, many times slower
         # Half a CPU: on a 2-core machine the jobs that call the deployment still find a whole CPU for
         # the Ray Data tasks that ask for one (reads, repartitions, writes).
         extra["placement_group_config"] = {"bundles": [{"CPU": 0.5}]}

@@ -17,13 +17,18 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, conf
 
+from airflow_provider_rayllm.contract import (
+    SECRETS_FILE,
+    SETUP_HOOK,
+    SINK_SQL_URI_ENV,
+    SQL_URI_ENV,
+    describe_progress,
+    parse_progress,
+)
 from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayLLMError
 from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, OutageClock, RayJobHook, lost_message
-from airflow_provider_rayllm.job import progress
-from airflow_provider_rayllm.job.secrets import SECRETS_FILE, SETUP_HOOK
-from airflow_provider_rayllm.job.sql import SINK_SQL_URI_ENV, SQL_URI_ENV
-from airflow_provider_rayllm.operators import credentials
 from airflow_provider_rayllm.links import OUTPUT_URL_XCOM, OutputLink, RayJobLink, output_browser_url
+from airflow_provider_rayllm.operators import credentials
 from airflow_provider_rayllm.spec import (
     ERROR_LOG_PREFIX,
     MANIFEST_LOG_PREFIX,
@@ -51,6 +56,7 @@ _ARG_NAMES = {
     "source.columns": "input_columns",
     "sink.uri": "output_uri",
     "sink.format": "output_format",
+    "sink.rows_per_file": "output_rows_per_file",
     "prompt.template": "prompt_template",
 }
 
@@ -103,6 +109,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
         ray_conn_id: str = RayJobHook.default_conn_name,
         output_uri: str | None = None,
         output_format: str = "parquet",
+        output_rows_per_file: int | None = None,
         max_error_fraction: float = 0.1,
         max_rows: int | None = None,
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
@@ -123,6 +130,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
         self.ray_conn_id = ray_conn_id
         self.output_uri = output_uri
         self.output_format = output_format
+        self.output_rows_per_file = output_rows_per_file
         self.max_error_fraction = max_error_fraction
         self.max_rows = max_rows
         self.deferrable = deferrable
@@ -233,7 +241,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
         return env
 
     def sink_body(self, output_uri: str, run: RunSpec) -> dict[str, Any]:
-        sink: dict[str, Any] = {"uri": output_uri, "format": self.output_format}
+        sink: dict[str, Any] = {"uri": output_uri, "format": self.output_format, "rows_per_file": self.output_rows_per_file}
         if self.output_table:
             if not self.output_table_conn_id:
                 raise SpecError("output_table needs output_table_conn_id, the Airflow connection of the database")
@@ -339,9 +347,9 @@ class RayLLMBatchBaseOperator(BaseOperator):
                 logs = ""
             if len(logs) > printed:
                 for line in logs[printed:].splitlines():
-                    done = progress.parse(line)
+                    done = parse_progress(line)
                     if done is not None:
-                        self.log.info("Progress: %s", progress.describe(done))
+                        self.log.info("Progress: %s", describe_progress(done))
                     elif line.strip() and not line.startswith(MANIFEST_LOG_PREFIX):
                         self.log.info("[ray] %s", line)
                 printed = len(logs)

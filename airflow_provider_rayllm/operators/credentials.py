@@ -10,8 +10,8 @@ from typing import Any
 
 from airflow.sdk import BaseHook
 
+from airflow_provider_rayllm.contract import GCP_KEYFILE_JSON
 from airflow_provider_rayllm.exceptions import InvalidSpec
-from airflow_provider_rayllm.job.secrets import GCP_KEYFILE_JSON
 
 
 def _extra(conn: Any, name: str, conn_type: str) -> Any:
@@ -82,7 +82,7 @@ def sql_source(conn_id: str) -> tuple[str, dict[str, str]]:
     """(dialect, secret env) for an Airflow SQL connection; the URI with its password is a job secret."""
     from urllib.parse import quote
 
-    from airflow_provider_rayllm.job.sql import SQL_URI_ENV
+    from airflow_provider_rayllm.contract import SQL_URI_ENV
 
     conn = BaseHook.get_connection(conn_id)
     dialect = _DIALECTS.get((conn.conn_type or "").lower())

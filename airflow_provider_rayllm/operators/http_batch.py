@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from airflow.sdk import BaseHook
 
+from airflow_provider_rayllm.contract import HTTP_API_KEY_ENV as API_KEY_ENV
 from airflow_provider_rayllm.exceptions import InvalidSpec
-from airflow_provider_rayllm.job.http_pipeline import API_KEY_ENV
 from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
 
 if TYPE_CHECKING:

@@ -142,7 +142,7 @@ class VLLMBatchOperator(RayLLMBatchBaseOperator):
         batch_size: int = 32,
         accelerator_type: str | None = None,
         runtime_env: dict[str, Any] | None = None,
-        max_concurrent_batches: int = 8,
+        max_concurrent_batches: int | None = None,
         max_tasks_in_flight_per_actor: int | None = None,
         max_pending_requests: int | None = None,
         placement_group_config: dict[str, Any] | None = None,

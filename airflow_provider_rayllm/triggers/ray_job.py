@@ -8,8 +8,8 @@ from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from airflow_provider_rayllm.contract import describe_progress, last_progress
 from airflow_provider_rayllm.hooks.ray_job import TERMINAL_STATES, OutageClock, RayJobHook, lost_message
-from airflow_provider_rayllm.job import progress
 
 
 class RayJobTrigger(BaseTrigger):
@@ -58,12 +58,12 @@ class RayJobTrigger(BaseTrigger):
 
     async def _log_progress(self, hook: RayJobHook, shown: dict[str, Any] | None) -> dict[str, Any] | None:
         try:
-            latest = progress.last_in(await hook.aget_job_logs(self.submission_id))
+            latest = last_progress(await hook.aget_job_logs(self.submission_id))
         except Exception as exc:  # logs are a courtesy; the status decides
             self.log.debug("could not read the job log: %s", exc)
             return shown
         if latest is not None and latest != shown:
-            self.log.info("Ray job %s progress: %s", self.submission_id, progress.describe(latest))
+            self.log.info("Ray job %s progress: %s", self.submission_id, describe_progress(latest))
             return latest
         return shown
 

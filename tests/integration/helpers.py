@@ -10,7 +10,6 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-
 # The CPU engine's kernels are not batch-invariant: at temperature 0 an answer can change with the
 # requests it shares a step with, or with a prefix read from the cache. One request at a time and no
 # prefix cache make greedy answers reproducible, which the tests that compare two runs rely on.

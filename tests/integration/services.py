@@ -88,6 +88,10 @@ def vllm_openai_server(model_dir: Path, name: str, log_dir: Path) -> Iterator[st
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "1024", "--enforce-eager", "--gpu-memory-utilization", "0.15",
     ]
+    from airflow_provider_rayllm.job.engines.vllm import cpu_has_native_half
+
+    if not cpu_has_native_half():
+        cmd += ["--dtype", "float32"]  # half precision would be emulated, many times slower
     # /v1/models answers only once the engine is up (about 40 s on 2 cores).
     with _process(cmd, f"http://127.0.0.1:{port}/v1/models", log_dir / "vllm-server.log", timeout=300):
         yield f"http://127.0.0.1:{port}/v1"

@@ -231,7 +231,7 @@ def test_a_second_backfill_over_the_same_dates_replaces_never_duplicates(first_b
         rows = read_rows(manifest["output_files"])
         assert sorted(r["id"] for r in rows) == [f"{day}-{i}" for i in range(5)], "replaced, not appended"
         generations = Path(manifest["output_uri"]) / "_generations"
-        assert sorted(p.name for p in generations.iterdir()) == [manifest["submission_id"]]
+        assert sorted(p.name for p in generations.iterdir()) == [manifest["generation"]]
     # A finished run run again computes its rows again (its input may have changed): the id column
     # resumes only attempts that never published.
     import urllib.request

@@ -150,7 +150,7 @@ def test_jsonl_glob_from_s3_to_jsonl_on_gcs_and_partitioned_csv_from_gcs_to_s3(r
     assert manifest["rows_in"] == manifest["rows_out"] == 6
     rows = []
     for f in manifest["output_files"]:
-        assert f["uri"].startswith("gs://formats-out/jsonl/_generations/") and f["uri"].endswith(".json")
+        assert f["uri"].startswith("gs://formats-out/jsonl/_generations/") and f["uri"].endswith(".jsonl")
         text = out_bucket.blob(f["uri"].removeprefix("gs://formats-out/")).download_as_text()
         rows += [json.loads(line) for line in text.splitlines() if line.strip()]
     assert sorted(r["id"] for r in rows) == [0, 1, 2, 10, 11, 12]

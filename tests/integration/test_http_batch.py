@@ -71,11 +71,11 @@ def test_a_429_storm_loses_no_row_and_keeps_under_the_qps_cap(ray_conn, airflow_
     assert all(r["response"] == f"echo: row {r['id']}" for r in out)
     assert max(r["attempts"] for r in out) > 1, "the storm must have been felt"
     # The job log says how far the rows got; the last progress line counts every row and token.
+    from airflow_provider_rayllm.contract import parse_progress
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
-    from airflow_provider_rayllm.job import progress
 
     logs = RayJobHook().get_job_logs(manifest["submission_id"])
-    lines = [progress.parse(line) for line in logs.splitlines() if progress.parse(line)]
+    lines = [parse_progress(line) for line in logs.splitlines() if parse_progress(line)]
     assert lines, "no progress line in the job log"
     assert [p["rows_done"] for p in lines] == sorted(p["rows_done"] for p in lines)
     assert (lines[-1]["rows_done"], lines[-1]["rows_total"], lines[-1]["rows_errored"]) == (60, 60, 0)

@@ -199,8 +199,8 @@ def test_stopping_the_task_stops_the_job_and_frees_the_cluster(how, ray_conn, ec
     operator's on_kill. Each must leave the job STOPPED and the cluster's CPUs free."""
     import asyncio
 
-    from airflow.sdk.exceptions import TaskDeferralTimeout, TaskDeferred
     from airflow.sdk.bases.operator import TriggerFailureReason
+    from airflow.sdk.exceptions import TaskDeferralTimeout, TaskDeferred
 
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
     from tests.integration.helpers import cpus_in_use
@@ -286,7 +286,7 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
     assert retried["submission_id"].endswith("-g1") and retried["rows_out"] == n and retried["rows_errored"] == 0
     published = json.loads((output_uri / "second" / "manifest.json").read_text())
     assert published["submission_id"] == retried["submission_id"]
-    assert sorted(p.name for p in failed_generation.iterdir()) == [retried["submission_id"]]
+    assert sorted(p.name for p in failed_generation.iterdir()) == [retried["generation"]]
     ids = [r["id"] for r in read_rows(retried["output_files"])]
     assert sorted(ids) == list(range(n))
     record_figure(
@@ -312,8 +312,9 @@ def test_a_stopped_job_run_again_does_not_recompute_finished_rows(ray_conn, echo
     assert "ended STOPPED" in str(outcome.get("error"))
     assert not (output_uri / "manifest.json").exists(), "a stopped job publishes nothing"
     sent_by_first = _stats(echo)["requests"]
-    saved = [r["id"] for r in read_rows([{"uri": str(p)} for p in (output_uri / "_generations" / sid / "checkpoint").glob("*.parquet")])]
-    assert saved, "the stopped job saved no finished rows"
+    (stopped_generation,) = (output_uri / "_generations").iterdir()
+    saved = [r["id"] for r in read_rows([{"uri": str(p)} for p in (stopped_generation / "outputs").glob("*.parquet")])]
+    assert saved, "the stopped job wrote no finished rows"
     assert len(saved) == len(set(saved)) and len(saved) < n
 
     # The retry (same task instance, next try) is a new generation that sends only the other rows.
@@ -332,7 +333,7 @@ def test_a_stopped_job_run_again_does_not_recompute_finished_rows(ray_conn, echo
     assert not recomputed, f"rows finished before the stop were sent again: {recomputed}"
     never_sent = [i for i in range(n) if f"resume row {i}" not in sent_by_first]
     assert all(requests[f"resume row {i}"] == 1 for i in never_sent)
-    assert sorted(p.name for p in (output_uri / "_generations").iterdir()) == [manifest["submission_id"]]
+    assert sorted(p.name for p in (output_uri / "_generations").iterdir()) == [manifest["generation"]]
     record_figure(
         "resume", rows=n, rows_finished_before_stop=len(saved), requests_before_stop=sum(sent_by_first.values()),
         requests_after_resume=sum(requests.values()) - sum(sent_by_first.values()), finished_rows_sent_again=len(recomputed),

@@ -1,7 +1,7 @@
-"""Writing output rows back to a table: once per run, replaced on rerun, all or nothing.
+"""Writing output rows back to a table: once per run, replaced on rerun, all or nothing, any column name.
 
-Real PostgreSQL (the server on this machine) and SQLite; the rows come from a pyarrow table behind
-the two dataset methods the sink uses.
+Real PostgreSQL (the server on this machine) and SQLite; the rows come from output files as the job
+wrote them.
 """
 
 from __future__ import annotations
@@ -11,27 +11,28 @@ import sqlite3
 import pyarrow as pa
 import pytest
 
-from airflow_provider_rayllm.job import table_sink
+from airflow_provider_rayllm.contract import SINK_SQL_URI_ENV
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.job.sql import SINK_SQL_URI_ENV, connect
+from airflow_provider_rayllm.job.sinks import table as table_sink
+from airflow_provider_rayllm.job.sources.sql import connect
 
 pytestmark = pytest.mark.integration
 
 
-class Rows:
-    def __init__(self, table: pa.Table):
-        self.table = table
-
-    def schema(self):
-        return self.table.schema
-
-    def iter_batches(self, batch_size, batch_format):
-        for batch in self.table.to_batches(max_chunksize=batch_size):
-            yield pa.Table.from_batches([batch])
+_FILES = iter(range(10**6))
 
 
-def rows(ids, answer="ok"):
-    return Rows(pa.table({"id": ids, "response": [f"{answer} {i}" for i in ids], "embedding": [[0.5, 0.25]] * len(ids)}))
+def rows_file(tmp_path, table: pa.Table) -> list[str]:
+    """The table as one output file, as the job's sink writes it."""
+    import pyarrow.parquet as pq
+
+    path = tmp_path / f"part-{next(_FILES):06d}.parquet"
+    pq.write_table(table, path)
+    return [str(path)]
+
+
+def rows(tmp_path, ids, answer="ok"):
+    return rows_file(tmp_path, pa.table({"id": ids, "response": [f"{answer} {i}" for i in ids], "embedding": [[0.5, 0.25]] * len(ids)}))
 
 
 def count(dialect, table, run_key=None):
@@ -65,31 +66,43 @@ def database(request, tmp_path, monkeypatch):
         conn.close()
 
 
-def test_rerun_replaces_only_its_own_rows(database):
+def test_rerun_replaces_only_its_own_rows(database, tmp_path):
     dialect, table = database
-    assert table_sink.write(rows([1, 2, 3]), dialect, table, "dag/run-1/t/-1") == 3
-    assert table_sink.write(rows([7, 8]), dialect, table, "dag/run-2/t/-1") == 2
-    assert table_sink.write(rows([1, 2, 3], answer="again"), dialect, table, "dag/run-1/t/-1") == 3
+    assert table_sink.write(rows(tmp_path, [1, 2, 3]), dialect, table, "dag/run-1/t/-1", "gen-a") == 3
+    assert table_sink.write(rows(tmp_path, [7, 8]), dialect, table, "dag/run-2/t/-1", "gen-b") == 2
+    assert table_sink.write(rows(tmp_path, [1, 2, 3], answer="again"), dialect, table, "dag/run-1/t/-1", "gen-c") == 3
     assert count(dialect, table) == 5
     assert count(dialect, table, "dag/run-1/t/-1") == 3
     conn = connect(dialect, SINK_SQL_URI_ENV)
     cur = conn.cursor()
-    cur.execute(f"SELECT response, embedding FROM {table} WHERE id = 1")
-    assert cur.fetchall() == [("again 1", "[0.5, 0.25]")]
+    cur.execute(f"SELECT response, embedding, rayllm_generation FROM {table} WHERE id = 1")
+    assert cur.fetchall() == [("again 1", "[0.5, 0.25]", "gen-c")]
     conn.close()
 
 
-def test_a_failed_write_leaves_the_previous_rows(database):
+def test_a_failed_write_leaves_the_previous_rows(database, tmp_path):
     dialect, table = database
-    table_sink.write(rows([1, 2]), dialect, table, "dag/run-1/t/-1")
-    bad = Rows(pa.table({"id": ["not-a-number"], "response": ["x"], "embedding": [[1.0]]}))
+    table_sink.write(rows(tmp_path, [1, 2]), dialect, table, "dag/run-1/t/-1", "gen-a")
+    bad = rows_file(tmp_path, pa.table({"id": ["not-a-number"], "response": ["x"], "embedding": [[1.0]]}))
     if dialect == "sqlite":  # SQLite stores any type; break it with a column the table lacks instead
-        bad = Rows(pa.table({"id": [1], "extra_column": ["x"]}))
+        bad = rows_file(tmp_path, pa.table({"id": [1], "extra_column": ["x"]}))
     with pytest.raises(JobError, match="nothing was written"):
-        table_sink.write(bad, dialect, table, "dag/run-1/t/-1")
+        table_sink.write(bad, dialect, table, "dag/run-1/t/-1", "gen-b")
     assert count(dialect, table, "dag/run-1/t/-1") == 2
 
 
-def test_table_name_is_checked():
+def test_a_hostile_column_name_is_a_column_and_runs_no_sql(database, tmp_path):
+    dialect, table = database
+    hostile = f'x"; DROP TABLE {table}; --'
+    files = rows_file(tmp_path, pa.table({"id": [1, 2], hostile: ["a", "b"], "n`x": [1.5, 2.5]}))
+    assert table_sink.write(files, dialect, table, "dag/run-1/t/-1", "gen-a") == 2
+    conn = connect(dialect, SINK_SQL_URI_ENV)
+    cur = conn.cursor()
+    cur.execute(f'SELECT {table_sink.quote(hostile, dialect)} FROM {table} ORDER BY id')
+    assert [r[0] for r in cur.fetchall()] == ["a", "b"], "the table still exists and the column holds the values"
+    conn.close()
+
+
+def test_table_name_is_checked(tmp_path):
     with pytest.raises(JobError, match="not a plain table name"):
-        table_sink.write(rows([1]), "sqlite", "t; DROP TABLE x", "k")
+        table_sink.write(rows(tmp_path, [1]), "sqlite", "t; DROP TABLE x", "k", "g")

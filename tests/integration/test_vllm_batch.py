@@ -145,10 +145,10 @@ def test_example_dag_runs_the_guides_quickstart(quickstart_run, ray_conn):
     answers = {r["prompt"]: r["response"] for r in quickstart_run["rows"]}
     assert "paris" in answers["What is the capital of France?"].lower()
     # The job log's progress lines (which the task log shows) end with every row and token counted.
+    from airflow_provider_rayllm.contract import last_progress
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
-    from airflow_provider_rayllm.job import progress
 
-    last = progress.last_in(RayJobHook().get_job_logs(manifest["submission_id"]))
+    last = last_progress(RayJobHook().get_job_logs(manifest["submission_id"]))
     assert last is not None, "no progress line in the job log"
     assert (last["rows_done"], last["rows_total"], last["tokens_out"]) == (16, 16, manifest["output_tokens"])
 

@@ -117,7 +117,7 @@ def test_rerun_of_one_date_replaces_its_output(backfill, warehouse, smollm2):
     keys = _objects(s3, f"tickets/{day}/")
     # (pyarrow leaves empty "folder" marker objects such as ".../_generations/"; they name no generation)
     generations = {k.split("/_generations/")[1].split("/")[0] for k in keys if "/_generations/" in k} - {""}
-    assert generations == {after["submission_id"]}, "the older generation is removed once the new manifest is in place"
+    assert generations == {after["generation"]}, "the older generation is removed once the new manifest is in place"
     published = json.loads(s3.get_object(Bucket="llm-outputs", Key=f"tickets/{day}/manifest.json")["Body"].read())
     assert published["submission_id"] == after["submission_id"]
     # The other dates were not touched.

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
+from airflow_provider_rayllm.contract import GCP_KEYFILE_JSON
 from airflow_provider_rayllm.exceptions import InvalidSpec
-from airflow_provider_rayllm.job.secrets import GCP_KEYFILE_JSON, load_into_env, scrub
+from airflow_provider_rayllm.job.secrets import load_into_env, scrub
 from airflow_provider_rayllm.operators import credentials
 
 

@@ -1,6 +1,6 @@
 """Engine settings the job derives before any engine starts."""
 
-from airflow_provider_rayllm.job import vllm_pipeline
+from airflow_provider_rayllm.job.engines import vllm as vllm_pipeline
 from airflow_provider_rayllm.spec import VLLMProcessorSpec
 
 
@@ -12,7 +12,7 @@ def test_cpu_profile_defaults_and_user_overrides():
     kwargs = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"max_model_len": 512}), "cpu")
     assert kwargs["max_model_len"] == 512 and kwargs["enforce_eager"] is True
     assert vllm_pipeline.placement_for(spec(engine_kwargs={"tensor_parallel_size": 2}), "cpu", {"tensor_parallel_size": 2}) == {
-        "bundles": [{"CPU": 1}, {"CPU": 1}],
+        "bundles": [{"CPU": vllm_pipeline.CPU_ENGINE_BUNDLE_CPUS}] * 2,
         "strategy": "PACK",
     }
     assert vllm_pipeline.placement_for(spec(), "gpu", {}) is None
@@ -33,12 +33,16 @@ def test_usage_statistics_opt_out_reaches_the_engine_env():
     assert vllm_pipeline.engine_runtime_env(spec(usage_stats=True)) is None
 
 
-def test_underfed_engine_warning():
-    assert vllm_pipeline.warn_if_underfed(spec(batch_size=8, max_concurrent_batches=2), {"max_num_seqs": 64}).startswith(
-        "batch_size x max_concurrent_batches = 8 x 2 = 16"
-    )
-    assert vllm_pipeline.warn_if_underfed(spec(batch_size=32, max_concurrent_batches=8), {"max_num_seqs": 256}) is None
-    assert vllm_pipeline.warn_if_underfed(spec(), {}) is None
+def test_rows_in_flight_default_to_twice_the_engines_batch_and_an_underfed_engine_is_named():
+    feed = vllm_pipeline.feed_for(spec(batch_size=32), {"max_num_seqs": 256})
+    assert (feed.max_concurrent_batches, feed.max_pending_requests) == (16, 512)
+    assert feed.rows_in_flight == 2 * 256 and feed.warning is None
+    staged = vllm_pipeline.feed_for(spec(batch_size=64), {"max_num_seqs": 100, "pipeline_parallel_size": 2})
+    assert staged.rows_in_flight >= 2 * 100 * 2, "each pipeline stage holds a batch of its own"
+    given = vllm_pipeline.feed_for(spec(batch_size=8, max_concurrent_batches=2, max_pending_requests=50), {"max_num_seqs": 64})
+    assert (given.max_concurrent_batches, given.max_pending_requests) == (2, 50)
+    assert given.warning.startswith("batch_size x max_concurrent_batches = 8 x 2 = 16")
+    assert vllm_pipeline.feed_for(spec(), {}).max_concurrent_batches == 8
 
 
 def test_model_source_check_refuses_missing_folders_and_leaves_hub_ids_to_the_engine(tmp_path):

@@ -6,8 +6,9 @@ import threading
 import numpy as np
 from aiohttp import web
 
-from airflow_provider_rayllm.job.http_pipeline import HttpCaller
-from airflow_provider_rayllm.job.prompts import REQUEST, STASH
+from airflow_provider_rayllm.job.engines.base import ERROR
+from airflow_provider_rayllm.job.engines.http import RESPONSE, TOKENS_OUT, HttpCaller
+from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, STASH
 from airflow_provider_rayllm.spec import HttpProcessorSpec
 
 
@@ -32,16 +33,20 @@ def test_batch_from_a_plain_thread():
     server.start()
     try:
         spec = HttpProcessorSpec(base_url=f"http://127.0.0.1:{port}/v1", model="m")
-        caller = HttpCaller(spec.model_dump_json(), "response")
+        caller = HttpCaller(spec.model_dump_json())
         batch = {
-            STASH: np.array([{"id": 1}, {"id": 2}], dtype=object),
-            REQUEST: np.array([json.dumps({"messages": [{"role": "user", "content": t}], "sampling_params": {}}) for t in ("a", "b")]),
+            STASH: np.array([{"id": 1}, {"id": 2}, {"id": 3}], dtype=object),
+            REQUEST: np.array([json.dumps({"messages": [{"role": "user", "content": t}], "sampling_params": {}}) for t in ("a", "b", "c")]),
+            PRE_ERROR: np.array(["", "", "prompt: ValueError: column 'q' is empty"]),
         }
         result = {}
         worker = threading.Thread(target=lambda: result.update(caller(batch)))
         worker.start()
         worker.join(timeout=30)
-        assert result["response"] == ["A", "B"]
-        assert result["__rayllm_call_error"] == ["", ""]
+        bodies = [json.loads(b) if b else None for b in result[RESPONSE]]
+        assert [b["choices"][0]["message"]["content"] for b in bodies[:2]] == ["A", "B"]
+        assert bodies[2] is None, "a row that could not be prompted is not sent"
+        assert result[ERROR] == ["", "", "prompt: ValueError: column 'q' is empty"]
+        assert result[TOKENS_OUT] == [1, 1, 0]
     finally:
         loop.call_soon_threadsafe(loop.stop)

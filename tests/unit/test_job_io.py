@@ -2,8 +2,9 @@
 
 import pytest
 
-from airflow_provider_rayllm.job import io
+from airflow_provider_rayllm.job import generations, io
 from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.sources import files as source_files
 from airflow_provider_rayllm.spec import FileSource
 
 
@@ -18,41 +19,81 @@ def test_folder_glob_and_file(tmp_path):
     b = touch(tmp_path / "in" / "date=2" / "b.parquet")
     touch(tmp_path / "in" / "_SUCCESS")
     touch(tmp_path / "in" / ".hidden.parquet")
-    assert io.expand_source(FileSource(uris=[str(tmp_path / "in")])) == [str(a), str(b)]
-    assert io.expand_source(FileSource(uris=[str(tmp_path / "in" / "*" / "*.parquet")])) == [str(a), str(b)]
-    assert io.expand_source(FileSource(uris=[str(a)])) == [str(a)]
+    assert source_files.expand(FileSource(uris=[str(tmp_path / "in")])) == [str(a), str(b)]
+    assert source_files.expand(FileSource(uris=[str(tmp_path / "in" / "*" / "*.parquet")])) == [str(a), str(b)]
+    assert source_files.expand(FileSource(uris=[str(a)])) == [str(a)]
 
 
 def test_missing_inputs_are_named(tmp_path):
     with pytest.raises(JobError, match="does not exist"):
-        io.expand_source(FileSource(uris=[str(tmp_path / "nope.jsonl")]))
+        source_files.expand(FileSource(uris=[str(tmp_path / "nope.jsonl")]))
     with pytest.raises(JobError, match="no file matches"):
-        io.expand_source(FileSource(uris=[str(tmp_path / "*.csv")]))
+        source_files.expand(FileSource(uris=[str(tmp_path / "*.csv")]))
     (tmp_path / "empty").mkdir()
     with pytest.raises(JobError, match="holds no data files"):
-        io.expand_source(FileSource(uris=[str(tmp_path / "empty")], format="csv"))
+        source_files.expand(FileSource(uris=[str(tmp_path / "empty")], format="csv"))
 
 
 def test_format_from_files_found(tmp_path):
     files = [str(touch(tmp_path / "a.jsonl")), str(touch(tmp_path / "b.jsonl"))]
-    assert io.file_format(FileSource(uris=[str(tmp_path)]), files) == "jsonl"
+    assert source_files.file_format(FileSource(uris=[str(tmp_path)]), files) == "jsonl"
     with pytest.raises(JobError, match="cannot infer one format"):
-        io.file_format(FileSource(uris=[str(tmp_path)]), files + [str(touch(tmp_path / "c.csv"))])
+        source_files.file_format(FileSource(uris=[str(tmp_path)]), files + [str(touch(tmp_path / "c.csv"))])
 
 
 def test_manifest_write_is_atomic_and_readable(tmp_path):
     target = str(tmp_path / "out" / "manifest.json")
     io.write_text_atomic(target, '{"a": 1}')
-    assert io.read_json(target) == {"a": 1}
-    assert not (tmp_path / "out" / "manifest.json.tmp").exists()
+    io.write_text_atomic(target, '{"a": 2}')
+    assert io.read_json(target) == {"a": 2}
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["manifest.json"], "no temp file is left behind"
     assert io.read_json(str(tmp_path / "missing.json")) is None
 
 
-def test_stale_generations_are_removed_after_publish(tmp_path):
-    from airflow_provider_rayllm.job import manifest
+def test_columns_and_emptiness_come_from_heads_and_footers(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
+    pq.write_table(pa.table({"id": pa.array([], pa.int64()), "q": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    assert source_files.probe("parquet", [str(tmp_path / "empty.parquet")]) == (["id", "q"], False)
+    pq.write_table(pa.table({"id": [1], "q": ["x"], "extra": [True]}), tmp_path / "one.parquet")
+    assert source_files.probe("parquet", [str(tmp_path / "empty.parquet"), str(tmp_path / "one.parquet")]) == (["id", "q", "extra"], True)
+    blank = touch(tmp_path / "blank.jsonl", "\n\n")
+    rows = touch(tmp_path / "rows.jsonl", '{"id": 1, "text": "a"}\n{"id": 2, "text": "b", "more": 3}\n')
+    assert source_files.probe("jsonl", [str(blank)]) == ([], False)
+    assert source_files.probe("jsonl", [str(blank), str(rows)]) == (["id", "text", "more"], True)
+    assert source_files.probe("csv", [str(touch(tmp_path / "h.csv", "id,text\n"))]) == (["id", "text"], False)
+
+
+def _spec(run_id="manual__1", task_id="t"):
+    from airflow_provider_rayllm.spec import parse_spec
+
+    return parse_spec({
+        "source": {"uris": ["/in.jsonl"]}, "prompt": {"prompt_column": "q"}, "processor": {"model_source": "/m"},
+        "sink": {"uri": "/out"}, "run": {"dag_id": "d", "run_id": run_id, "task_id": task_id},
+    })
+
+
+def test_each_attempt_gets_a_generation_of_its_own_and_only_this_task_instances_older_ones_go(tmp_path):
     out = str(tmp_path / "run")
-    for sid in ("job-g0", "job-g1"):
-        touch(tmp_path / "run" / "_generations" / sid / "outputs" / "part.parquet")
-    manifest.remove_stale_generations(out, "job-g1")
-    assert io.list_subdirs(str(tmp_path / "run" / "_generations")) == ["job-g1"]
+    spec = _spec().model_copy(update={"sink": _spec().sink.model_copy(update={"uri": out})})
+    first, second = generations.start(spec), generations.start(spec)
+    assert first != second and first.ti == second.ti and first.settings == second.settings
+    other_ti = generations.Generation(generations.task_instance_key(_spec(run_id="manual__2").run), first.settings, first.start, "abcdef")
+    for g in (first, second, other_ti):
+        touch(tmp_path / "run" / "_generations" / g.name / "outputs" / "part.parquet")
+    touch(tmp_path / "run" / "_generations" / "not-a-generation" / "x")
+    assert [g.name for g in generations.unpublished_earlier(out, second, None)] == [first.name]
+    assert generations.unpublished_earlier(out, second, first.name) == [], "nothing before or at the published one"
+    newer = generations.start(spec)
+    touch(tmp_path / "run" / "_generations" / newer.name / "outputs" / "part.parquet")
+    assert generations.remove_older(out, second) == [first.name]
+    left = set(io.list_subdirs(str(tmp_path / "run" / "_generations")))
+    assert left == {second.name, other_ti.name, newer.name, "not-a-generation"}, "another task instance's and a newer attempt's stay"
+
+
+def test_task_instance_keys_are_distinct_where_a_folder_name_would_not_be():
+    from airflow_provider_rayllm.spec import RunSpec
+
+    keys = {generations.task_instance_key(RunSpec(dag_id="d", run_id=r, task_id="t")) for r in ("résumé", "rösümé", "r_s_m_")}
+    assert len(keys) == 3

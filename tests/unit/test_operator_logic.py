@@ -372,7 +372,7 @@ def test_each_serve_method_has_a_request_model_ray_data_accepts(endpoint):
     """ServeDeploymentProcessorConfig wants classes in dtype_mapping (the public EmbeddingRequest is a Union)."""
     from ray.data.llm import ServeDeploymentProcessorConfig
 
-    from airflow_provider_rayllm.job.serve_pipeline import METHODS, request_class
+    from airflow_provider_rayllm.job.engines.serve import METHODS, request_class
 
     _, dtype, _ = METHODS[endpoint]
     cls = request_class(dtype)

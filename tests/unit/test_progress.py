@@ -1,27 +1,37 @@
-"""Progress lines: counted per finished batch on a real (in-process) Ray, read back by the operator side."""
+"""Progress: the stream's stages count into the tally (a retried batch once), the driver prints lines the
+operator reads back."""
 
 from __future__ import annotations
 
-import numpy as np
+import pyarrow as pa
 import pytest
 
+from airflow_provider_rayllm.contract import Progress, describe_progress, last_progress, parse_progress
 from airflow_provider_rayllm.job import progress
 
 
-def test_blocks_are_whole_batches_and_at_most_max_blocks():
-    assert progress.rows_per_block(96, 8) == 8
-    assert progress.rows_per_block(5, 16) == 16
-    per_block = progress.rows_per_block(1_000_000, 64)
-    assert per_block % 64 == 0 and -(-1_000_000 // per_block) <= progress.MAX_BLOCKS
-
-
 def test_lines_round_trip_and_read_well():
-    line = progress.Progress(48, 96, 2, 768, 40.0, 123.45).line()
-    assert progress.parse("(MapWorker pid=3) " + line) is None, "only a line that starts with the prefix counts"
-    assert progress.last_in(f"noise\n{progress.Progress(8, 96, 0, 64, 5.0, 12.8).line()}\n{line}\nmore noise") == progress.parse(line)
-    assert progress.describe(progress.parse(line)) == "48/96 rows done (50%), 2 error row(s), 768 tokens out, 123.5 tokens/s, 40 s"
-    assert progress.parse("RAYLLM_PROGRESS {not json") is None
-    assert progress.last_in("no progress yet") is None
+    line = Progress(48, 96, 2, 768, 40.0, 123.45, files_written=3).line()
+    assert parse_progress("(MapWorker pid=3) " + line) is None, "only a line that starts with the prefix counts"
+    assert last_progress(f"noise\n{Progress(8, 96, 0, 64, 5.0, 12.8).line()}\n{line}\nmore noise") == parse_progress(line)
+    assert describe_progress(parse_progress(line)) == (
+        "48/96 rows done (50% of the rows read so far), 2 error row(s), 768 tokens out, 123.5 tokens/s, 3 file(s) written, 40 s"
+    )
+    assert parse_progress("RAYLLM_PROGRESS {not json") is None
+    assert last_progress("no progress yet") is None
+
+
+def test_a_key_reported_twice_counts_once():
+    tally = progress.Tally()
+    tally.read("t1:1", 10, 2)
+    tally.read("t1:1", 10, 2)  # the same batch of a retried task
+    tally.read("t2:1", 5, 0)
+    tally.answered("t3:1", 8, 1, 40, at=100.0)
+    tally.answered("t3:1", 8, 1, 40, at=101.0)
+    tally.wrote("write-0", 2, at=102.0)
+    totals = tally.totals()
+    assert (totals["rows_read"], totals["rows_skipped"], totals["rows_answered"], totals["rows_errored"]) == (15, 2, 8, 1)
+    assert (totals["tokens_out"], totals["files_written"], totals["first_answer_at"]) == (40, 2, 100.0)
 
 
 @pytest.fixture(scope="module")
@@ -33,32 +43,25 @@ def local_ray():
     ray.shutdown()
 
 
-def test_every_finished_row_is_counted_with_its_tokens_and_errors(local_ray):
+def test_the_tap_counts_answered_rows_errors_and_tokens_as_they_pass(local_ray):
     import ray
 
     lines: list[str] = []
-
-    def engine(ds):
-        def answer(batch):
-            ids = batch["id"]
-            return {
-                "id": ids,
-                "num_generated_tokens": ids % 5,
-                "err": np.array(["too long" if i % 10 == 3 else "" for i in ids]),
-            }
-
-        return ds.map_batches(answer, batch_format="numpy", batch_size=8, num_cpus=0.2)
-
-    rows = ray.data.range(100).materialize()
-    with progress.ProgressLog(100, lines.append, interval_s=0.05) as watch:
-        out = progress.watched(
-            rows, 100, 8, engine, watch, "err", "num_generated_tokens", None, {"num_cpus": 0.2}
+    notes: list[str] = []
+    table = pa.table({
+        "id": list(range(100)),
+        "__inference_error__": ["too long" if i % 10 == 3 else "" for i in range(100)],
+        "num_generated_tokens": [i % 5 for i in range(100)],
+    })
+    with progress.ProgressLog(lines.append, notes.append, interval_s=0.05) as watch:
+        tap = progress.Tap(watch.tally, "__inference_error__", progress.column_sum("num_generated_tokens"))
+        out = ray.data.from_arrow(table).repartition(target_num_rows_per_block=8).map_batches(
+            tap, batch_format="pyarrow", batch_size=None, num_cpus=0.2
         ).materialize()
-    assert out.count() == 100
-    payloads = [progress.parse(line) for line in lines]
+        final = watch.finish()
+    assert out.count() == 100, "the tap passes every row on"
+    assert (final["rows_answered"], final["rows_errored"], final["tokens_out"]) == (100, 10, sum(i % 5 for i in range(100)))
+    payloads = [parse_progress(line) for line in lines]
     assert all(payloads), lines
-    final = payloads[-1]
-    expected_tokens = sum(i % 5 for i in range(100) if i % 10 != 3)
-    assert (final["rows_done"], final["rows_total"], final["rows_errored"], final["tokens_out"]) == (100, 100, 10, expected_tokens)
     done = [p["rows_done"] for p in payloads]
-    assert done == sorted(done), "progress never goes back"
+    assert done == sorted(done) and done[-1] == 100, "progress never goes back and ends complete"

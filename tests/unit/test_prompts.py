@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from airflow_provider_rayllm.job.prompts import PRE_ERROR, REQUEST, STASH, RequestBuilder
+from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, STASH, RequestBuilder
 from airflow_provider_rayllm.spec import PromptSpec
 
 
@@ -66,7 +66,7 @@ def test_preprocess_returning_non_dict_is_an_error_row():
 
 
 def test_structured_output_names_are_normalized():
-    from airflow_provider_rayllm.job.prompts import normalize_sampling_params
+    from airflow_provider_rayllm.job.requests import normalize_sampling_params
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert normalize_sampling_params({"max_tokens": 5, "guided_json": schema}) == {
@@ -80,8 +80,8 @@ def test_structured_output_names_are_normalized():
 
 
 def test_bad_sampling_params_are_refused_before_the_engine():
+    from airflow_provider_rayllm.job.engines.vllm import check_sampling_params
     from airflow_provider_rayllm.job.errors import JobError
-    from airflow_provider_rayllm.job.vllm_pipeline import check_sampling_params
 
     check_sampling_params({"max_tokens": 4, "structured_outputs": {"regex": "[0-9]+"}})
     with pytest.raises(JobError, match="max_tokenz"):
@@ -91,7 +91,7 @@ def test_bad_sampling_params_are_refused_before_the_engine():
 
 
 def test_lora_routing_by_row():
-    from airflow_provider_rayllm.job.prompts import LoraRouting
+    from airflow_provider_rayllm.job.requests import LoraRouting
 
     local = LoraRouting("/models/base", "/adapters/", ["pirate", "formal"])
     assert local.model_for(None) == "/models/base"
@@ -106,7 +106,7 @@ def test_lora_routing_by_row():
 
 
 def test_unknown_adapter_is_an_error_row():
-    from airflow_provider_rayllm.job.prompts import LoraRouting
+    from airflow_provider_rayllm.job.requests import LoraRouting
 
     builder = RequestBuilder(
         PromptSpec(prompt_column="q", lora_column="adapter"), "generate", ["q", "adapter"], "/x",
@@ -131,7 +131,7 @@ def _png(color=(200, 10, 10)) -> bytes:
 def test_image_cells_become_data_urls_and_urls_pass_through(tmp_path):
     import base64
 
-    from airflow_provider_rayllm.job.prompts import image_url
+    from airflow_provider_rayllm.job.requests import image_url
 
     data = _png()
     expected = "data:image/png;base64," + base64.b64encode(data).decode()
@@ -153,7 +153,7 @@ def test_image_cells_become_data_urls_and_urls_pass_through(tmp_path):
     ],
 )
 def test_a_bad_image_cell_is_refused_with_its_reason(cell, message):
-    from airflow_provider_rayllm.job.prompts import image_url
+    from airflow_provider_rayllm.job.requests import image_url
 
     with pytest.raises(ValueError, match=message):
         image_url(cell)
@@ -162,7 +162,7 @@ def test_a_bad_image_cell_is_refused_with_its_reason(cell, message):
 def test_the_image_goes_before_the_text_in_the_user_message_and_a_bad_one_is_an_error_row(tmp_path):
     import json as _json
 
-    from airflow_provider_rayllm.job.prompts import PRE_ERROR, REQUEST, RequestBuilder
+    from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, RequestBuilder
     from airflow_provider_rayllm.spec import PromptSpec
 
     prompt = PromptSpec(prompt_column="q", image_column="img", system_prompt="Be brief.")

@@ -8,8 +8,8 @@ import sqlite3
 
 import pytest
 
-from airflow_provider_rayllm.job import sql
 from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.sources import sql
 from airflow_provider_rayllm.spec import SqlSource
 
 ROWS = 400

@@ -147,6 +147,6 @@ async def test_progress_lines_of_the_job_log_reach_the_trigger_log_once_each(ser
     assert event.payload["status"] == "SUCCEEDED"
     shown = [r["event"] for r in records if "progress:" in r["event"]]
     assert shown == [
-        "Ray job job-1 progress: 2/8 rows done (25%), 0 error row(s), 64 tokens out, 40.0 tokens/s, 3 s",
-        "Ray job job-1 progress: 6/8 rows done (75%), 0 error row(s), 192 tokens out, 40.0 tokens/s, 3 s",
+        "Ray job job-1 progress: 2/8 rows done (25% of the rows read so far), 0 error row(s), 64 tokens out, 40.0 tokens/s, 0 file(s) written, 3 s",
+        "Ray job job-1 progress: 6/8 rows done (75% of the rows read so far), 0 error row(s), 192 tokens out, 40.0 tokens/s, 0 file(s) written, 3 s",
     ]

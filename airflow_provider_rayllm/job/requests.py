@@ -1,4 +1,9 @@
-"""Turning an input row into an engine request, declaratively or with the user's callable."""
+"""Rows -> requests: the first step after the read, declaratively or with the user's callable.
+
+Every row leaves this step with three columns: the input columns it keeps (``STASH``), its request as
+JSON (``REQUEST``) and, for a row that cannot be prompted, why (``PRE_ERROR``; the engines pass such a
+row through untouched, so it reaches the sink as an error row in the same stream).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import os
 from typing import Any, Callable
 
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.spec import ERROR_COLUMN, CallableRef, PromptSpec
+from airflow_provider_rayllm.spec import CallableRef, PromptSpec
 
 # Columns the job carries through Ray's stages; input columns are stashed so the engine's own
 # output columns (``prompt``, ``messages``...) cannot overwrite them.
@@ -159,6 +164,8 @@ class RequestBuilder:
         self.keep = keep
         self.lora = lora
         self.preprocess = load_callable(prompt.preprocess, package_dir) if prompt.preprocess else None
+        self.sampling_params = normalize_sampling_params(prompt.sampling_params)
+        self.pooling_params = dict(prompt.pooling_params) if prompt.pooling_params else None
 
     def _text(self, row: dict[str, Any]) -> str:
         p = self.prompt
@@ -204,11 +211,11 @@ class RequestBuilder:
                 else:
                     messages.append({"role": "user", "content": text})
             request["messages"] = messages
-            request["sampling_params"] = normalize_sampling_params(p.sampling_params)
+            request["sampling_params"] = self.sampling_params
         else:
             request["prompt"] = self._text(row)
-            if p.pooling_params:
-                request["pooling_params"] = dict(p.pooling_params)
+            if self.pooling_params:
+                request["pooling_params"] = self.pooling_params
         return request
 
     def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
@@ -224,11 +231,72 @@ class RequestBuilder:
         return {STASH: stash, REQUEST: request, PRE_ERROR: error}
 
 
-def error_row(row: dict[str, Any], message_column: str) -> dict[str, Any]:
-    """The input columns of a failed row and why it failed (one schema for every error row)."""
-    return {**dict(row[STASH] or {}), ERROR_COLUMN: str(row[message_column])}
+class RequestStage:
+    """Ray Data stage: a batch of input rows -> their requests, counted into the job's tally as read.
+
+    With ``id_column`` it also refuses a duplicate or missing id (the uniqueness check, done as the rows
+    stream by) and drops the rows an earlier attempt of this run already answered (resume). Holding the
+    ids needs one place that sees every row, so with ``id_column`` the stage runs as a single actor; the
+    ids live there, never in the driver.
+    """
+
+    def __init__(
+        self,
+        prompt: PromptSpec,
+        task_type: str,
+        keep: list[str],
+        package_dir: str,
+        tally: Any,
+        lora: LoraRouting | None = None,
+        saved_files: list[str] | None = None,
+    ):
+        self.builder = RequestBuilder(prompt, task_type, keep, package_dir, lora)
+        self.tally = tally
+        self.ids = IdGate(prompt.id_column, saved_files or [], tally) if prompt.id_column else None
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, batch: Any) -> dict[str, list[Any]]:
+        rows = batch.to_pylist()
+        from airflow_provider_rayllm.job.progress import call_key
+
+        key = call_key(self.calls)
+        if self.ids is not None:
+            rows, skipped = self.ids.admit(rows)
+        else:
+            skipped = 0
+        built = [self.builder(row) for row in rows]
+        import ray
+
+        ray.get(self.tally.read.remote(key, len(rows) + skipped, skipped))
+        return {
+            STASH: [b[STASH] for b in built],
+            REQUEST: [b[REQUEST] for b in built],
+            PRE_ERROR: [b[PRE_ERROR] for b in built],
+        }
 
 
-def engine_request(row: dict[str, Any]) -> dict[str, Any]:
-    """Ray's preprocess: unpack the request built above."""
-    return json.loads(row[REQUEST])
+class IdGate:
+    """Each id once (a repeat fails the job, naming it); ids answered by an earlier attempt are skipped."""
+
+    def __init__(self, id_column: str, saved_files: list[str], tally: Any):
+        from airflow_provider_rayllm.job.resume import read_ids
+
+        self.column = id_column
+        self.saved = read_ids(saved_files, id_column)
+        self.seen: set[Any] = set()
+        import ray
+
+        ray.get(tally.saved.remote(len(self.saved)))
+
+    def admit(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+        kept = []
+        for row in rows:
+            value = row.get(self.column)
+            if _is_empty(value):
+                raise JobError(f"prompt.id_column {self.column!r}: a row has no id (value {value!r}); ids must be set and unique")
+            if value in self.seen:
+                raise JobError(f"prompt.id_column {self.column!r} must be unique per row: {value!r} appears more than once")
+            self.seen.add(value)
+            if value not in self.saved:
+                kept.append(row)
+        return kept, len(rows) - len(kept)

@@ -11,11 +11,9 @@ import os
 import urllib.parse
 from typing import Any
 
+from airflow_provider_rayllm.contract import SQL_URI_ENV
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.spec import SqlSource
-
-SQL_URI_ENV = "RAYLLM_SQL_URI"
-SINK_SQL_URI_ENV = "RAYLLM_SINK_SQL_URI"
 
 
 def connect(dialect: str, env_name: str = SQL_URI_ENV) -> Any:
@@ -71,8 +69,9 @@ def shard_keys_for(dialect: str, keys: list[str]) -> list[str]:
     return list(keys)
 
 
-def probe_columns(source: SqlSource) -> list[str]:
-    """Run the query with no rows to learn its columns; a bad query or table fails here, before any engine."""
+def probe(source: SqlSource) -> tuple[list[str], bool]:
+    """(the query's columns, whether it returns any row), from the query limited to one row; a bad query
+    or table fails here, before any engine starts."""
     try:
         conn = connect(source.dialect)
     except JobError:
@@ -81,8 +80,8 @@ def probe_columns(source: SqlSource) -> list[str]:
         raise JobError(f"sql: cannot connect to the {source.dialect} database: {type(exc).__name__}: {exc}") from None
     try:
         cursor = conn.cursor()
-        cursor.execute(f"SELECT * FROM ({source.sql}) AS rayllm_probe LIMIT 0")
-        return [d[0] for d in cursor.description or []]
+        cursor.execute(f"SELECT * FROM ({source.sql}) AS rayllm_probe LIMIT 1")
+        return [d[0] for d in cursor.description or []], cursor.fetchone() is not None
     except Exception as exc:
         raise JobError(f"sql: the query failed: {type(exc).__name__}: {str(exc).strip()}") from None
     finally:
@@ -92,7 +91,9 @@ def probe_columns(source: SqlSource) -> list[str]:
 def read(source: SqlSource) -> Any:
     import ray.data
 
-    kwargs: dict[str, Any] = {}
+    from airflow_provider_rayllm.job.engines.base import LIGHT
+
+    kwargs: dict[str, Any] = {"num_cpus": LIGHT["num_cpus"]}
     if source.shard_keys:
         kwargs["shard_keys"] = shard_keys_for(source.dialect, source.shard_keys)
         kwargs["shard_hash_fn"] = SHARD_HASH.get(source.dialect, "MD5")

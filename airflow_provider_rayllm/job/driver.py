@@ -1,0 +1,249 @@
+"""One batch job as one lazy plan, run once by Ray Data's streaming executor.
+
+    read -> requests -> engine (vLLM, endpoint or Serve deployment) -> shape and write, file by file
+
+Order matters: every check that needs no engine runs first; the stream writes into this attempt's own
+generation folder while it runs (output files appear as answers come in, error rows go to files of their
+own); the counts are checked against each other; the manifest is written last and is what makes the
+generation the published one. The object store holds a bounded window of rows whatever the input's
+size, and the driver holds no rows: the counts come from the stages (see ``progress``) and from the
+write tasks' results.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from airflow_provider_rayllm.job import generations, io, manifest, resume
+from airflow_provider_rayllm.job.engines import open_engine
+from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine
+from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.progress import ProgressLog, Tap
+from airflow_provider_rayllm.job.requests import RequestStage
+from airflow_provider_rayllm.job.sinks.files import ERRORS, OUTPUTS, ResultSink, totals
+from airflow_provider_rayllm.job.sources import open_input
+from airflow_provider_rayllm.spec import ERROR_COLUMN, OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, JobSpec, PromptSpec
+
+log = logging.getLogger("airflow_provider_rayllm.job")
+
+
+def say(msg: str, *args: Any) -> None:
+    log.info(msg, *args)
+    sys.stdout.flush()
+
+
+def print_line(line: str) -> None:
+    """A machine-read line (progress), printed bare so the operator finds it at the start of a line."""
+    print(line, flush=True)
+
+
+def kept_columns(prompt: PromptSpec, columns: list[str]) -> list[str]:
+    """The input columns copied to each output row; the prompt's columns must all be there."""
+    missing = [c for c in prompt.required_columns() if c not in columns]
+    if missing:
+        raise JobError(f"prompt needs column(s) {missing!r} that the input lacks; input columns: {columns!r}")
+    keep = prompt.keep_columns if prompt.keep_columns is not None else columns
+    absent = [c for c in keep if c not in columns]
+    if absent:
+        raise JobError(f"prompt.keep_columns {absent!r} are not input columns; input columns: {columns!r}")
+    clash = {prompt.output_column, OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, ERROR_COLUMN} & set(keep)
+    if clash and prompt.postprocess is None:
+        raise JobError(
+            f"input column(s) {sorted(clash)!r} would be overwritten by outputs; rename them, "
+            "set output_column, or limit keep_columns"
+        )
+    return list(keep)
+
+
+def plan(spec: JobSpec, engine: Engine, ds: Any, keep: list[str], package_dir: str, tally: Any, saved: list[str]) -> Any:
+    """The lazy plan up to the sink: rows -> requests -> blocks of one engine batch -> answered rows."""
+    stage = dict(
+        prompt=spec.prompt, task_type=spec.task_type, keep=keep, package_dir=package_dir, tally=tally,
+        lora=engine.lora(), saved_files=saved,
+    )
+    if spec.prompt.id_column:
+        # One actor sees every id: the uniqueness check and the resume skip need one place.
+        import ray.data
+
+        ds = ds.map_batches(
+            RequestStage, fn_constructor_kwargs=stage, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), **LIGHT
+        )
+    else:
+        ds = ds.map_batches(RequestStage(**stage), batch_format="pyarrow", **LIGHT)
+    # Blocks of one engine batch: answers leave the engine batch by batch, not when a whole input file is
+    # done (a streaming repartition: no block waits for the others).
+    ds = ds.repartition(target_num_rows_per_block=engine.block_rows())
+    answered = engine.apply(ds)
+    tap = Tap(tally, ERROR, engine.tokens_out())
+    return answered.map_batches(tap, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **LIGHT)
+
+
+# The write tasks ask for a different share of a CPU than the stages before them, so that Ray Data keeps
+# them apart: fused into the write, the progress tap would wait with it until rows_per_file rows are in.
+WRITE = {"num_cpus": 0.1}
+# Ray Data's streaming repartition (blocks of one engine batch) runs as tasks of a whole CPU.
+REPARTITION_CPUS = 1.0
+
+
+def check_free_cpus(engine: Engine, spec: JobSpec) -> None:
+    """A cluster whose CPUs the engine's actors hold entirely would never run the stream's other steps
+    (the job would wait forever): refuse it, naming the numbers."""
+    import ray
+
+    total = float(ray.cluster_resources().get("CPU", 0))
+    held = engine.reserved_cpus() + (LIGHT["num_cpus"] if spec.prompt.id_column else 0)
+    needed = REPARTITION_CPUS + LIGHT["num_cpus"]
+    if total - held < needed:
+        raise JobError(
+            f"the Ray cluster has {total:g} CPU(s) and the engine's actors hold {held:g} for the whole job; the "
+            f"stream's other steps need {needed:g} more (a CPU for Ray Data's repartition, a fraction for reading "
+            "and writing). Add CPUs, lower concurrency, or reserve fewer CPUs in placement_group_config"
+        )
+
+
+ROWS_PER_FILE = 1000
+
+
+def rows_per_file(spec: JobSpec, engine: Engine) -> int:
+    """Rows per output file: the user's; else 1000, or one engine batch when the job is resumable (the files
+    written so far are what a later attempt keeps, so smaller files lose less to a stop)."""
+    if spec.sink.rows_per_file:
+        return spec.sink.rows_per_file
+    return engine.block_rows() if spec.prompt.id_column else ROWS_PER_FILE
+
+
+def job_error_in(exc: BaseException) -> JobError | None:
+    """Our own error raised inside a stage, under Ray's wrappers."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, JobError):
+            return current
+        stack += [current.__cause__, current.__context__, getattr(current, "cause", None)]
+    return None
+
+
+def check_counts(counted: dict[str, Any], written: dict[str, Any], adopted_rows: int) -> None:
+    """Every row read is answered, failed or resumed, once; resumed rows are exactly the saved ones."""
+    read, skipped = counted["rows_read"], counted["rows_skipped"]
+    answered = written["rows_out"] + written["rows_errored"]
+    if read != answered + skipped:
+        raise JobError(
+            f"row accounting: {read} rows were read but {written['rows_out']} answered + {written['rows_errored']} "
+            f"error rows + {skipped} resumed = {answered + skipped}; nothing was published"
+        )
+    if skipped != counted["rows_saved"] or adopted_rows != counted["rows_saved"]:
+        raise JobError(
+            f"resume: the earlier attempt saved {counted['rows_saved']} row(s) ({adopted_rows} in its files), but "
+            f"only {skipped} of their ids are in this input; the input changed since, so the saved rows are stale. "
+            "Clear the task to compute every row again; nothing was published"
+        )
+
+
+def check_error_fraction(errors: int, rows: int, limit: float, errors_uri: str) -> None:
+    if rows and errors / rows > limit:
+        raise JobError(
+            f"{errors} of {rows} rows failed ({errors / rows:.1%}), above max_error_fraction={limit}; "
+            f"nothing was published (error rows are in {errors_uri})"
+        )
+
+
+def _quiet_ray_data() -> None:
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+
+
+def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
+    import ray
+
+    ray.init(log_to_driver=True)
+    _quiet_ray_data()
+    started = time.time()
+    started_at = datetime.now(timezone.utc).isoformat()
+
+    # 1. Checks that need no engine, no endpoint and no rows.
+    engine = open_engine(spec, package_dir)
+    engine.check()
+    check_free_cpus(engine, spec)
+    say("%s", engine.describe())
+    source = open_input(spec)
+    keep = kept_columns(spec.prompt, source.columns)
+    say("input: %s", source.description)
+
+    # 2. This attempt's own folder; with an id column, the answers an earlier attempt saved.
+    generation = generations.start(spec)
+    gen_uri = generations.generation_uri(spec.sink.uri, generation.name)
+    outputs_uri, errors_uri = io.join(gen_uri, OUTPUTS), io.join(gen_uri, ERRORS)
+    published = manifest.read(spec.sink.uri)
+    saved = resume.saved_files(spec.sink.uri, generation, (published or {}).get("generation")) if spec.prompt.id_column else []
+    say("writing generation %s (%d saved file(s) of earlier attempts to resume from)", gen_uri, len(saved))
+
+    # 3. The stream, once.
+    with ProgressLog(print_line, say, engine.actor_name()) as progress:
+        sink = ResultSink(gen_uri, spec.sink.format, rows_per_file(spec, engine), engine.shaper(), progress.tally)
+        try:
+            plan(spec, engine, source.ds, keep, package_dir, progress.tally, saved).write_datasink(sink, ray_remote_args=WRITE)
+        except Exception as exc:
+            ours = job_error_in(exc)
+            if ours is not None:
+                raise JobError(str(ours)) from None
+            raise
+        counted = progress.finish()
+    written = totals(sink.results)
+    for example in written["error_examples"]:
+        say("error row: %s", example)
+
+    # 4. Counts agree, the error gate; nothing is published before both pass.
+    adopted = resume.adopt(saved, gen_uri) if saved else []
+    adopted_rows = sum(f["rows"] for f in adopted)
+    check_counts(counted, written, adopted_rows)
+    rows_in = counted["rows_read"]
+    if rows_in == 0:
+        raise JobError("source: no rows reached the job")
+    written["output_files"] = sorted(written["output_files"] + adopted, key=lambda f: f["uri"])
+    written["rows_out"] += adopted_rows
+    check_error_fraction(written["rows_errored"], rows_in, spec.limits.max_error_fraction, errors_uri)
+
+    # 5. Publish: the table (all or nothing), then the manifest, then this task's older generations go.
+    table_rows = 0
+    if spec.sink.table is not None:
+        from airflow_provider_rayllm.job.sinks import table as table_sink
+
+        t = spec.sink.table
+        table_rows = table_sink.write([f["uri"] for f in written["output_files"]], t.dialect, t.table, t.run_key, generation.name)
+        say("output table %s: %d rows for run key %s", t.table, table_rows, t.run_key)
+    first = counted["first_write_at"]
+    body = manifest.build(
+        spec=spec,
+        submission_id=submission_id,
+        generation=generation.name,
+        outputs_uri=outputs_uri,
+        errors_uri=errors_uri,
+        written=written,
+        rows_in=rows_in,
+        rows_resumed=adopted_rows,
+        started_at=started_at,
+        wall_time_s=time.time() - started,
+        first_output_s=None if first is None else round(first - started, 3),
+        details=engine.details(written),
+        versions={"ray": ray.__version__, **engine.versions()},
+        table_rows=table_rows,
+    )
+    manifest.publish(spec.sink.uri, body)
+    removed = generations.remove_older(spec.sink.uri, generation)
+    say(
+        "published %s: %d rows in, %d out (%d resumed), %d error rows, tokens in/out %d/%d, %.1f s; older generations removed: %d",
+        spec.sink.uri, rows_in, written["rows_out"], adopted_rows, written["rows_errored"],
+        written["input_tokens"], written["output_tokens"], time.time() - started, len(removed),
+    )
+    return body

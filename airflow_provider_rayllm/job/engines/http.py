@@ -1,0 +1,201 @@
+"""The HTTP engine: requests to an OpenAI-compatible endpoint, from a pool of Ray actors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any, Callable
+
+import numpy as np
+
+from airflow_provider_rayllm.contract import HTTP_API_KEY_ENV
+from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine, Shaper, count
+from airflow_provider_rayllm.job.engines.http_client import EndpointClient
+from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.progress import column_sum
+from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, STASH
+from airflow_provider_rayllm.spec import HttpProcessorSpec, JobSpec
+
+API_KEY_ENV = HTTP_API_KEY_ENV
+
+
+def payload_for(request: dict[str, Any], http: HttpProcessorSpec) -> dict[str, Any]:
+    """Our request (messages/prompt + sampling params) as the endpoint's JSON body."""
+    return openai_body(request, http.endpoint, http.model)
+
+
+def openai_body(request: dict[str, Any], endpoint: str, model: str) -> dict[str, Any]:
+    """Our request as an OpenAI-style body for ``endpoint`` (chat/completions, completions, embeddings)."""
+    if "payload" in request:  # the guide's preprocess returns dict(payload=...)
+        return {"model": model, **request["payload"]}
+    params = {k: v for k, v in (request.get("sampling_params") or {}).items() if k != "structured_outputs"}
+    structured = (request.get("sampling_params") or {}).get("structured_outputs")
+    if structured:  # vLLM's OpenAI server reads these names
+        if "json" in structured:
+            params["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": json.loads(structured["json"])},
+            }
+        if "choice" in structured:
+            params["structured_outputs"] = {"choice": structured["choice"]}
+        if "regex" in structured:
+            params["structured_outputs"] = {"regex": structured["regex"]}
+    if endpoint == "embeddings":
+        return {"model": model, "input": request.get("prompt", "")}
+    if endpoint == "completions":
+        prompt = request.get("prompt")
+        if prompt is None:
+            prompt = "\n\n".join(str(m.get("content", "")) for m in request.get("messages", []))
+        return {"model": model, "prompt": prompt, **params}
+    return {"model": model, "messages": request["messages"], **params}
+
+
+def extract(body: dict[str, Any], endpoint: str) -> Any:
+    """The answer in an OpenAI-style response body: text, or the embedding."""
+    if endpoint == "embeddings":
+        return body["data"][0]["embedding"]
+    choice = body["choices"][0]
+    return choice["message"]["content"] if endpoint == "chat/completions" else choice["text"]
+
+
+class HttpCaller:
+    """A Ray Data actor: one aiohttp session and event loop, many requests in flight.
+
+    Each answered row carries the endpoint's whole JSON body (as text), its status and the attempts it
+    took; a row that could not be prompted is passed on with its reason, unsent.
+    """
+
+    def __init__(self, http_json: str):
+        self.http = HttpProcessorSpec.model_validate_json(http_json)
+        self.loop = asyncio.new_event_loop()
+        self.client = EndpointClient(
+            url=self.http.url,
+            api_key=os.environ.get(API_KEY_ENV),
+            max_in_flight=self.http.max_in_flight,
+            qps=self.http.qps_per_actor(),
+            max_retries=self.http.max_retries,
+            max_total_wait_s=self.http.max_total_wait_s,
+            timeout_s=self.http.timeout_s,
+            backoff_base_s=self.http.backoff_base_s,
+            backoff_max_s=self.http.backoff_max_s,
+        )
+        self.loop.run_until_complete(self.client.__aenter__())
+
+    def __del__(self) -> None:
+        try:
+            self.loop.run_until_complete(self.client.__aexit__(None, None, None))
+        except Exception:
+            pass
+
+    async def _row(self, request_json: str, error: str) -> tuple[str, int, int, str, int]:
+        """(response body as JSON text, status, attempts, error, completion tokens)"""
+        if error:
+            return "", 0, 0, error, 0
+        payload = payload_for(json.loads(request_json), self.http)
+        result = await self.client.call(payload)
+        if not result.ok:
+            message = f"HTTP {result.status}: {result.error}" if result.status else result.error
+            return "", result.status or 0, result.attempts, message, 0
+        body = result.body or {}
+        return json.dumps(body), result.status, result.attempts, "", count((body.get("usage") or {}).get("completion_tokens"))
+
+    async def _batch(self, requests: Any, errors: Any) -> list[tuple[str, int, int, str, int]]:
+        return await asyncio.gather(*(self._row(str(r), str(e)) for r, e in zip(requests, errors)))
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        # Ray Data may call from another thread than the constructor's; the loop is ours either way.
+        answers = self.loop.run_until_complete(self._batch(batch[REQUEST], batch[PRE_ERROR]))
+        return {
+            STASH: batch[STASH],
+            RESPONSE: [a[0] for a in answers],
+            "http_status": [a[1] for a in answers],
+            "attempts": [a[2] for a in answers],
+            ERROR: [a[3] for a in answers],
+            TOKENS_OUT: [a[4] for a in answers],
+        }
+
+
+RESPONSE = "__rayllm_http_response"
+TOKENS_OUT = "__rayllm_tokens_out"
+
+
+class HttpShaper(Shaper):
+    """The endpoint's answer (text, or the embedding) and its usage; the guide's postprocess sees the body
+    as ``http_response``."""
+
+    def __init__(self, spec: JobSpec, package_dir: str):
+        super().__init__(spec, package_dir)
+        assert spec.http is not None
+        self.endpoint = spec.http.endpoint
+
+    def answer(self, row: dict[str, Any]) -> tuple[Any, int, int, dict[str, Any]]:
+        body = json.loads(row[RESPONSE])
+        usage = body.get("usage") or {}
+        value = extract(body, self.endpoint)
+        return value, count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")), {"attempts": count(row.get("attempts"))}
+
+    def view(self, row: dict[str, Any], stash: dict[str, Any], value: Any) -> dict[str, Any]:
+        return {**stash, "http_response": json.loads(row[RESPONSE]), "http_status": count(row.get("http_status")), self.output_column: value}
+
+
+class HttpEngine(Engine):
+    """Requests to an OpenAI-compatible endpoint from a pool of Ray actors."""
+
+    def __init__(self, spec: JobSpec, package_dir: str):
+        super().__init__(spec, package_dir)
+        assert spec.http is not None
+        self.http = spec.http
+
+    def check(self) -> None:
+        if self.http.qps and self.http.qps < self.http.concurrency * 0.01:
+            raise JobError(f"qps={self.http.qps} is too low for {self.http.concurrency} actor(s)")
+
+    def describe(self) -> str:
+        h = self.http
+        return f"endpoint {h.url}, model {h.model}; {h.concurrency} actor(s) x {h.max_in_flight} in flight; qps cap {h.qps}"
+
+    def block_rows(self) -> int:
+        return self.http.batch_size
+
+    def actor_name(self) -> str:
+        return "HttpCaller"
+
+    def reserved_cpus(self) -> float:
+        return self.http.concurrency * LIGHT["num_cpus"]
+
+    def apply(self, ds: Any) -> Any:
+        import ray.data
+
+        return ds.map_batches(
+            HttpCaller,
+            fn_constructor_kwargs={"http_json": self.http.model_dump_json()},
+            batch_size=self.http.batch_size,
+            compute=ray.data.ActorPoolStrategy(size=self.http.concurrency),
+            num_cpus=LIGHT["num_cpus"],
+            batch_format="numpy",
+        )
+
+    def shaper(self) -> Shaper:
+        return HttpShaper(self.spec, self.package_dir)
+
+    def tokens_out(self) -> Callable[[Any], int]:
+        return column_sum(TOKENS_OUT)
+
+    def details(self, totals: dict[str, Any]) -> dict[str, Any]:
+        return {"endpoint": self.http.url, "estimated_cost": cost(self.http, totals["input_tokens"], totals["output_tokens"])}
+
+    def versions(self) -> dict[str, str]:
+        import aiohttp
+
+        return {"aiohttp": aiohttp.__version__}
+
+
+def cost(http: HttpProcessorSpec, input_tokens: int, output_tokens: int) -> float | None:
+    if http.price_per_1k_input_tokens is None and http.price_per_1k_output_tokens is None:
+        return None
+    return round(
+        input_tokens / 1000 * (http.price_per_1k_input_tokens or 0)
+        + output_tokens / 1000 * (http.price_per_1k_output_tokens or 0),
+        6,
+    )

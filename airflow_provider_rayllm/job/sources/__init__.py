@@ -1,0 +1,50 @@
+"""The job's input as one lazy Ray dataset: files and buckets, or a SQL query the job runs itself.
+
+Opening an input reads only what its columns and emptiness need (file footers and heads, the query
+limited to one row); the rows themselves are read by the stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.spec import JobSpec, SqlSource
+
+
+@dataclass
+class Input:
+    ds: Any
+    columns: list[str]
+    description: str
+
+
+def open_input(spec: JobSpec) -> Input:
+    source = spec.source
+    if isinstance(source, SqlSource):
+        from airflow_provider_rayllm.job.sources import sql
+
+        columns, has_rows = sql.probe(source)
+        where = "the query"
+        description = f"{source.dialect} query with columns {columns}"
+        ds = sql.read(source) if has_rows else None
+    else:
+        from airflow_provider_rayllm.job.sources import files
+
+        paths = files.expand(source)
+        fmt = files.file_format(source, paths)
+        columns, has_rows = files.probe(fmt, paths)
+        where = repr(source.uris)
+        if source.columns:
+            absent = [c for c in source.columns if c not in columns]
+            if absent:
+                raise JobError(f"input_columns {absent!r} are not in the input; its columns: {columns!r}")
+            columns = list(source.columns)
+        description = f"{len(paths)} {fmt} file(s) with columns {columns}"
+        ds = files.read(source, paths, fmt) if has_rows else None
+    if not has_rows:
+        raise JobError(f"source: no rows in {where}")
+    if spec.limits.max_rows:
+        ds = ds.limit(spec.limits.max_rows)
+    return Input(ds, columns, description)

@@ -1,0 +1,152 @@
+"""Files and bucket objects as the job's input: Parquet, JSONL or CSV, through Ray Data's readers."""
+
+from __future__ import annotations
+
+import fnmatch
+import glob as globlib
+import os
+import posixpath
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.io import filesystem_for
+from airflow_provider_rayllm.spec import FileSource, format_from_uri, uri_scheme
+
+# Enough of a JSON or CSV file to learn its columns (pyarrow infers from its first block too).
+PROBE_BYTES = 1 << 20
+
+
+def _has_glob(path: str) -> bool:
+    return any(ch in path for ch in "*?[")
+
+
+def expand(source: FileSource) -> list[str]:
+    """Every input file, in a stable order; a clear error when a path matches nothing."""
+    files: list[str] = []
+    for uri in source.uris:
+        fs, path = filesystem_for(uri)
+        scheme = uri_scheme(uri)
+        prefix = "" if scheme == "file" else f"{scheme}://"
+        if _has_glob(path):
+            if scheme == "file":
+                matched = sorted(p for p in globlib.glob(path, recursive=True) if os.path.isfile(p))
+            else:
+                base = path.split("*", 1)[0].rsplit("/", 1)[0]
+                selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
+                matched = sorted(
+                    prefix + info.path
+                    for info in fs.get_file_info(selector)
+                    if info.type == pafs.FileType.File and fnmatch.fnmatch(info.path, path)
+                )
+            if not matched:
+                raise JobError(f"source.uris: no file matches {uri!r}")
+            files.extend(matched)
+            continue
+        try:
+            info = fs.get_file_info(path)
+        except Exception as exc:
+            raise JobError(f"source.uris: cannot read {uri!r}: {exc}") from exc
+        if info.type == pafs.FileType.NotFound:
+            raise JobError(f"source.uris: {uri!r} does not exist")
+        if info.type == pafs.FileType.Directory:
+            selector = pafs.FileSelector(path, recursive=True)
+            inner = sorted(
+                prefix + i.path
+                for i in fs.get_file_info(selector)
+                if i.type == pafs.FileType.File and not posixpath.basename(i.path).startswith(("_", "."))
+            )
+            if not inner:
+                raise JobError(f"source.uris: folder {uri!r} holds no data files")
+            files.extend(inner)
+        else:
+            files.append(prefix + path if prefix else path)
+    return files
+
+
+def file_format(source: FileSource, files: list[str]) -> str:
+    if source.format:
+        return source.format
+    formats = {format_from_uri(f) for f in files}
+    if len(formats) != 1 or None in formats:
+        shown = sorted(os.path.basename(f) for f in files)[:5]
+        raise JobError(
+            f"source.format: cannot infer one format from the files {shown!r}; "
+            "set input_format to 'parquet', 'jsonl' or 'csv'"
+        )
+    return str(formats.pop())
+
+
+def _head(uri: str) -> bytes:
+    fs, path = filesystem_for(uri)
+    with fs.open_input_file(path) as handle:
+        data = handle.read(PROBE_BYTES)
+    if len(data) == PROBE_BYTES and b"\n" in data:
+        data = data[: data.rindex(b"\n") + 1]  # whole lines only
+    return data
+
+
+def probe(fmt: str, files: list[str]) -> tuple[list[str], bool]:
+    """(the input's columns, whether any file holds a row), read from file footers and heads only."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns: list[str] = []
+    has_rows = False
+    for uri in files:
+        try:
+            if fmt == "parquet":
+                fs, path = filesystem_for(uri)
+                with fs.open_input_file(path) as handle:
+                    meta = pq.ParquetFile(handle).metadata
+                names, rows = meta.schema.to_arrow_schema().names, meta.num_rows
+            else:
+                head = _head(uri)
+                if not head.strip():
+                    continue
+                if fmt == "jsonl":
+                    import pyarrow.json as pajson
+
+                    table = pajson.read_json(pa.BufferReader(head))
+                else:
+                    import pyarrow.csv as pacsv
+
+                    table = pacsv.read_csv(pa.BufferReader(head))
+                names, rows = table.column_names, table.num_rows
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise JobError(f"source.uris: {uri!r} is not readable as {fmt}: {exc}") from None
+        columns.extend(n for n in names if n not in columns)
+        has_rows = has_rows or rows > 0
+        if has_rows and fmt != "parquet":
+            break  # the first file with rows tells the columns of a text format
+    return columns, has_rows
+
+
+def read(source: FileSource, files: list[str], fmt: str) -> Any:
+    """A lazy Ray dataset over the given files."""
+    import ray.data
+
+    from airflow_provider_rayllm.job.engines.base import LIGHT
+
+    # Reading is light work beside the engine: a whole CPU per read task would wait behind the engine's
+    # actors on a small cluster.
+    kwargs: dict[str, Any] = {"num_cpus": LIGHT["num_cpus"]}
+    fs, _ = filesystem_for(files[0])
+    if uri_scheme(files[0]) != "file":
+        kwargs["filesystem"] = fs
+        files = [filesystem_for(f)[1] for f in files]
+    if fmt == "parquet":
+        if source.columns:
+            kwargs["columns"] = source.columns
+        return ray.data.read_parquet(files, **kwargs)
+    if fmt == "jsonl":
+        if "filesystem" in kwargs:
+            # Ray 2.60's line reader takes no filesystem; pyarrow's JSON reader (the default one) reads
+            # newline-delimited JSON and does.
+            ds = ray.data.read_json(files, **kwargs)
+        else:
+            ds = ray.data.read_json(files, lines=True, num_cpus=LIGHT["num_cpus"])
+    else:
+        ds = ray.data.read_csv(files, **kwargs)
+    return ds.select_columns(source.columns) if source.columns else ds
