@@ -27,6 +27,7 @@ OWN = {
     "ray_conn_id": "Airflow connection of type `ray`: the Jobs API address, token, TLS settings, output_base.",
     "output_uri": "Output prefix (folder, s3:// or gs://) for this task instance; default `{output_base}/{dag_id}/{run_id}/{task_id}[/map_N]`.",
     "output_format": "`parquet` or `jsonl` for the output and error files.",
+    "output_rows_per_file": "Answered rows per output file (files appear as each fills); default 1000, or one engine batch with `id_column` (the files written are what a resumed attempt keeps).",
     "max_error_fraction": "Fail the task (publishing nothing) when more than this share of rows are error rows.",
     "max_rows": "Process at most this many input rows (templated).",
     "deferrable": "Wait for the job in the triggerer instead of holding a worker slot.",
