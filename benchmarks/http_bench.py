@@ -43,28 +43,39 @@ def payload(prompt: str, max_tokens: int) -> dict:
 def run_ours(base_url: str, data: list[dict], batch_size: int, actors: int, in_flight: int, max_tokens: int) -> float:
     import ray
 
-    from airflow_provider_rayllm.job.http_pipeline import HttpCaller
-    from airflow_provider_rayllm.job.prompts import REQUEST, STASH
+    from airflow_provider_rayllm.job.engines.base import ERROR
+    from airflow_provider_rayllm.job.engines.http import HttpCaller
+    from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, STASH
     from airflow_provider_rayllm.spec import HttpProcessorSpec
 
-    spec = HttpProcessorSpec(base_url=base_url, model=MODEL_NAME, concurrency=actors, batch_size=batch_size, max_in_flight=in_flight)
+    spec = HttpProcessorSpec(
+        base_url=base_url, model=MODEL_NAME, concurrency=actors, batch_size=batch_size, max_in_flight=in_flight
+    )
     prepared = [
-        {STASH: {"id": r["id"]}, REQUEST: json.dumps({"messages": payload(r["prompt"], max_tokens)["messages"],
-                                                      "sampling_params": {"temperature": 0.0, "max_tokens": max_tokens}})}
+        {
+            STASH: {"id": r["id"]},
+            PRE_ERROR: "",
+            REQUEST: json.dumps(
+                {
+                    "messages": payload(r["prompt"], max_tokens)["messages"],
+                    "sampling_params": {"temperature": 0.0, "max_tokens": max_tokens},
+                }
+            ),
+        }
         for r in data
     ]
     ds = ray.data.from_items(prepared)
     started = time.perf_counter()
     out = ds.map_batches(
         HttpCaller,
-        fn_constructor_kwargs={"http_json": spec.model_dump_json(), "output_column": "response"},
+        fn_constructor_kwargs={"http_json": spec.model_dump_json()},
         batch_size=batch_size,
-        concurrency=actors,
+        compute=ray.data.ActorPoolStrategy(size=actors),
         num_cpus=0.2,
         batch_format="numpy",
     ).materialize()
     seconds = time.perf_counter() - started
-    errors = sum(1 for r in out.iter_rows() if r["__rayllm_call_error"])
+    errors = sum(1 for r in out.iter_rows() if r[ERROR])
     assert out.count() == len(data) and errors == 0, f"ours: {errors} errors"
     return seconds
 
@@ -73,7 +84,9 @@ def run_ray(base_url: str, data: list[dict], batch_size: int, actors: int, max_t
     import ray
     from ray.data.llm import HttpRequestProcessorConfig, build_processor
 
-    config = HttpRequestProcessorConfig(url=f"{base_url}/chat/completions", headers={}, batch_size=batch_size, concurrency=actors)
+    config = HttpRequestProcessorConfig(
+        url=f"{base_url}/chat/completions", headers={}, batch_size=batch_size, concurrency=actors
+    )
     processor = build_processor(
         config,
         preprocess=lambda row: {"payload": payload(row["prompt"], max_tokens)},
@@ -97,7 +110,9 @@ def run_asyncio(base_url: str, data: list[dict], in_flight: int, max_tokens: int
 
             async def one(row: dict) -> None:
                 async with semaphore:
-                    async with session.post(f"{base_url}/chat/completions", json=payload(row["prompt"], max_tokens)) as resp:
+                    async with session.post(
+                        f"{base_url}/chat/completions", json=payload(row["prompt"], max_tokens)
+                    ) as resp:
                         assert resp.status == 200, resp.status
                         await resp.json()
 

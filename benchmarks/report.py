@@ -103,7 +103,9 @@ def plot_engine(engine: dict) -> None:
         ax1.barh(["ray job submit (plain)"], [engine["plain_total_s"]["median"]], color="#718096")
     ax1.set_xlabel("seconds, task start to result (median)")
     ax1.legend(fontsize=7, loc="lower right")
-    ax1.set_title(f"{engine['rows']} rows x {engine['max_tokens']} tokens: overhead {engine['provider_overhead_ratio']:.2f}x")
+    ax1.set_title(
+        f"{engine['rows']} rows x {engine['max_tokens']} tokens: overhead {engine['provider_overhead_ratio']:.2f}x"
+    )
     series = [("our vLLM path (steady)", engine["ours_steady_tokens_per_s"], "#2b6cb0")]
     phase = engine.get("engine_phase_tokens_per_s") or {}
     if phase.get("ours") and phase.get("plain"):
@@ -222,10 +224,10 @@ def _occupancy_text(e: dict) -> str:
         else ""
     )
     return f"""
-What bounds efficiency: while generating, our engine ran on average **{ours['mean_running']:.0f} requests
-at once** (peak {ours['max_running']}; from vLLM's stats lines in the job log){plain_text}, with
+What bounds efficiency: while generating, our engine ran on average **{ours["mean_running"]:.0f} requests
+at once** (peak {ours["max_running"]}; from vLLM's stats lines in the job log){plain_text}, with
 {allowed} rows allowed in flight (`batch_size` x `max_concurrent_batches`) and `max_num_seqs` {seqs}.
-vLLM's offline path puts all {e['rows']} prompts in its queue at once. Rows reach the engine in batches
+vLLM's offline path puts all {e["rows"]} prompts in its queue at once. Rows reach the engine in batches
 through the stages before it, so the running count ramps up and drains in steps rather than staying full.
 {_phase_text(e)}"""
 
@@ -260,9 +262,9 @@ def engine_section(e: dict | None) -> str:
     slots = e["airflow_worker_slot_s"]
     return f"""## Provider overhead and engine efficiency (VLLMBatchOperator)
 
-{e['rows']} prompts, exactly {e['max_tokens']} output tokens each (`ignore_eos`), {e['model']},
-engine_kwargs `{json.dumps(e['engine_kwargs'])}`, batch_size {e['batch_size']} x max_concurrent_batches
-{e['max_concurrent_batches']}; {e['rounds']} interleaved rounds.
+{e["rows"]} prompts, exactly {e["max_tokens"]} output tokens each (`ignore_eos`), {e["model"]},
+engine_kwargs `{json.dumps(e["engine_kwargs"])}`, batch_size {e["batch_size"]} x max_concurrent_batches
+{e["max_concurrent_batches"]}; {e["rounds"]} interleaved rounds.
 
 ![overhead and efficiency](img/engine_overhead.png)
 
@@ -272,29 +274,29 @@ Ray Data starts, and `batch_size` 32 x `max_concurrent_batches` 8 to feed them. 
 this date, with the earlier 16 x 8 and vLLM's generic limits, measured a provider overhead of 1.25x
 (142.1 s against 124.6 s) and an engine efficiency of 0.45x (251 against 514 tokens/s).
 
-**Provider overhead: {e['provider_overhead_ratio']:.3f}x** (target <= 1.05x; rounds
-{', '.join(f'{v:.3f}' for v in e['provider_overhead']['samples'])}). VLLMBatchOperator from task start to the
+**Provider overhead: {e["provider_overhead_ratio"]:.3f}x** (target <= 1.05x; rounds
+{", ".join(f"{v:.3f}" for v in e["provider_overhead"]["samples"])}). VLLMBatchOperator from task start to the
 manifest in hand, against the same `ray.data.llm` pipeline as a plain script through `ray job submit`
-(median {e['plain_total_s']['median']:.1f} s). Where our {b['total_s']:.1f} s go (medians):
+(median {e["plain_total_s"]["median"]:.1f} s). Where our {b["total_s"]:.1f} s go (medians):
 
 | part | seconds |
 |---|---|
-| submit: spec built, package zipped and uploaded, job submitted | {b['submit_s']:.1f} |
-| until the Ray driver started | {b['until_driver_started_s']:.1f} |
-| the job's driver (checks, read, engine start, rows, write, manifest) | {b['driver_s']:.1f} |
-| end noticed (poll interval 0.5 s, manifest read) | {b['end_noticed_s']:.1f} |
+| submit: spec built, package zipped and uploaded, job submitted | {b["submit_s"]:.1f} |
+| until the Ray driver started | {b["until_driver_started_s"]:.1f} |
+| the job's driver (checks, read, engine start, rows, write, manifest) | {b["driver_s"]:.1f} |
+| end noticed (poll interval 0.5 s, manifest read) | {b["end_noticed_s"]:.1f} |
 
 {_timeline_table(e)}
-**Engine efficiency: {e['engine_efficiency_ratio']:.3f}x** (target >= 0.95x; rounds
-{', '.join(f'{v:.3f}' for v in e['engine_efficiency']['samples'])}). Our path's steady-state output tokens/s is
-the difference between a {e['rows']}-row and a {e['small_rows']}-row job of the same settings (engine start-up
-cancels out): median {e['ours_steady_tokens_per_s']['median']:.0f} tokens/s, against vLLM's own `LLM.chat` over the
-same prompts after a warm-up: {e['offline_tokens_per_s']['median']:.0f} tokens/s.
+**Engine efficiency: {e["engine_efficiency_ratio"]:.3f}x** (target >= 0.95x; rounds
+{", ".join(f"{v:.3f}" for v in e["engine_efficiency"]["samples"])}). Our path's steady-state output tokens/s is
+the difference between a {e["rows"]}-row and a {e["small_rows"]}-row job of the same settings (engine start-up
+cancels out): median {e["ours_steady_tokens_per_s"]["median"]:.0f} tokens/s, against vLLM's own `LLM.chat` over the
+same prompts after a warm-up: {e["offline_tokens_per_s"]["median"]:.0f} tokens/s.
 {_occupancy_text(e)}
 
-**Airflow cost.** Worker slot-seconds per job: not deferred {slots['not_deferred']['median']:.1f} s (the whole
-{slots['not_deferred_job_s']:.0f} s job); deferred {slots['deferred']['median']:.2f} s (submission, then the
-manifest read after the trigger fired) for a {slots['deferred_job_s']:.0f} s job. A deferred task's cost does not
+**Airflow cost.** Worker slot-seconds per job: not deferred {slots["not_deferred"]["median"]:.1f} s (the whole
+{slots["not_deferred_job_s"]:.0f} s job); deferred {slots["deferred"]["median"]:.2f} s (submission, then the
+manifest read after the trigger fired) for a {slots["deferred_job_s"]:.0f} s job. A deferred task's cost does not
 grow with the job's length; a non-deferred one holds its slot for all of it.
 """
 
@@ -307,29 +309,29 @@ def http_section(h: dict | None) -> str:
     gap = h["rows"] / m["ours"]["median_rows_per_s"] - h["rows"] / m["asyncio"]["median_rows_per_s"]
     return f"""## HTTP path (HttpLLMBatchOperator)
 
-{h['rows']} chat requests (max_tokens={h['max_tokens']}) to one local vLLM OpenAI-compatible server
-(SmolLM2-135M on the CPU engine), {h['rounds']} interleaved rounds; batch_size={h['batch_size']},
-{h['actors']} actor(s), {h['in_flight']} requests in flight. Ray paths are timed with actor start-up.
+{h["rows"]} chat requests (max_tokens={h["max_tokens"]}) to one local vLLM OpenAI-compatible server
+(SmolLM2-135M on the CPU engine), {h["rounds"]} interleaved rounds; batch_size={h["batch_size"]},
+{h["actors"]} actor(s), {h["in_flight"]} requests in flight. Ray paths are timed with actor start-up.
 
 ![throughput](img/http_throughput.png)
 
 | method | median rows/s | min | max |
 |---|---|---|---|
-| HttpLLMBatchOperator actor | {m['ours']['median_rows_per_s']:.1f} | {m['ours']['min_rows_per_s']:.1f} | {m['ours']['max_rows_per_s']:.1f} |
-| plain asyncio client | {m['asyncio']['median_rows_per_s']:.1f} | {m['asyncio']['min_rows_per_s']:.1f} | {m['asyncio']['max_rows_per_s']:.1f} |
-| Ray HttpRequestProcessor | {m['ray']['median_rows_per_s']:.1f} | {m['ray']['min_rows_per_s']:.1f} | {m['ray']['max_rows_per_s']:.1f} |
+| HttpLLMBatchOperator actor | {m["ours"]["median_rows_per_s"]:.1f} | {m["ours"]["min_rows_per_s"]:.1f} | {m["ours"]["max_rows_per_s"]:.1f} |
+| plain asyncio client | {m["asyncio"]["median_rows_per_s"]:.1f} | {m["asyncio"]["min_rows_per_s"]:.1f} | {m["asyncio"]["max_rows_per_s"]:.1f} |
+| Ray HttpRequestProcessor | {m["ray"]["median_rows_per_s"]:.1f} | {m["ray"]["min_rows_per_s"]:.1f} | {m["ray"]["max_rows_per_s"]:.1f} |
 
-- ours / Ray's processor: **{h['http_vs_ray_processor_ratio']:.2f}x** (target >= 5x)
-- ours / plain asyncio: **{h['http_vs_asyncio_ratio']:.2f}x** (target >= 0.9x)
+- ours / Ray's processor: **{h["http_vs_ray_processor_ratio"]:.2f}x** (target >= 5x)
+- ours / plain asyncio: **{h["http_vs_asyncio_ratio"]:.2f}x** (target >= 0.9x)
 
 What bounds the ratios here:
 - Against Ray's processor the ceiling is the server, not the client: a plain asyncio client with the
-  same {h['in_flight']} requests in flight reaches only **{plain_ratio:.1f}x** Ray's processor, because two CPU
+  same {h["in_flight"]} requests in flight reaches only **{plain_ratio:.1f}x** Ray's processor, because two CPU
   cores serve the model and run the clients, and the CPU engine saturates at about
-  {m['asyncio']['median_rows_per_s']:.0f} rows/s. Ray's processor awaits the requests of a batch one after another, so it
+  {m["asyncio"]["median_rows_per_s"]:.0f} rows/s. Ray's processor awaits the requests of a batch one after another, so it
   runs at one request's latency at a time; any server with more capacity widens the gap.
 - Against the plain client, the Ray path pays for starting its actor and the dataset inside the timed
-  window (the same for Ray's processor); with {h['rows']} rows that is the difference between the
+  window (the same for Ray's processor); with {h["rows"]} rows that is the difference between the
   two medians ({gap:.1f} s).
 """
 
@@ -343,7 +345,7 @@ def scale_section(s: dict | None) -> str:
     )
     return f"""## Scale (HTTP path, fast local endpoint)
 
-{s['description']}
+{s["description"]}
 
 ![scale](img/scale.png)
 
@@ -351,8 +353,8 @@ def scale_section(s: dict | None) -> str:
 |---|---|---|---|---|
 {rows}
 
-Throughput spread across sizes: {s['rows_per_s_spread']:.0%} of the median (target: flat within 20 %).
-{_scale_fit(s['scale'])}{s.get('notes', '')}
+Throughput spread across sizes: {s["rows_per_s_spread"]:.0%} of the median (target: flat within 20 %).
+{_scale_fit(s["scale"])}{s.get("notes", "")}
 """
 
 
@@ -391,13 +393,13 @@ def gpu_section() -> str:
 
 An 8B model in bf16 on one H200 (141 GB HBM3e at 4.8 TB/s, 989 TFLOPS dense BF16, from NVIDIA's data sheet):
 
-- weights: {g['weights_gb']} GB, read once per decode step, so memory bandwidth caps a replica at
-  **~{g['memory_bound_decode_steps_per_s']} decode steps/s**: one sequence decodes at most that many tokens/s;
+- weights: {g["weights_gb"]} GB, read once per decode step, so memory bandwidth caps a replica at
+  **~{g["memory_bound_decode_steps_per_s"]} decode steps/s**: one sequence decodes at most that many tokens/s;
 - each step yields one token per running sequence, so tokens/s grows with the batch until compute binds at
-  2 x 8.03e9 FLOP per token = **~{g['compute_bound_tokens_per_s']:,} tokens/s**, reached near
-  **{g['batch_where_compute_binds']} sequences** in flight (KV-cache reads push this later in practice);
-- KV cache: {g['kv_cache_kb_per_token']} KB per token (32 layers x 8 KV heads x 128 x K,V x 2 bytes); at
-  gpu_memory_utilization 0.9 that leaves {g['kv_cache_budget_gb_at_0.9']} GB, about {g['kv_cache_tokens']:,} tokens of context
+  2 x 8.03e9 FLOP per token = **~{g["compute_bound_tokens_per_s"]:,} tokens/s**, reached near
+  **{g["batch_where_compute_binds"]} sequences** in flight (KV-cache reads push this later in practice);
+- KV cache: {g["kv_cache_kb_per_token"]} KB per token (32 layers x 8 KV heads x 128 x K,V x 2 bytes); at
+  gpu_memory_utilization 0.9 that leaves {g["kv_cache_budget_gb_at_0.9"]} GB, about {g["kv_cache_tokens"]:,} tokens of context
   across all running sequences.
 
 What the operator sets when the cluster has GPUs (`resource_profile="auto"` picks it): `enable_prefix_caching`
@@ -410,18 +412,18 @@ reach `max_num_seqs`; the operator warns when it cannot.
 """
 
 
-def load_section(l: dict | None) -> str:
-    if l is None:
+def load_section(load: dict | None) -> str:
+    if load is None:
         return "## Load: deferred operators at once\n\n" + _missing("load")
-    lag = l["trigger_loop_lag_ms"]
-    return f"""## Load: {l['operators']} deferred operators at once
+    lag = load["trigger_loop_lag_ms"]
+    return f"""## Load: {load["operators"]} deferred operators at once
 
-{l['operators']} HttpLLMBatchOperator tasks ({l['rows_per_job']} rows each) submitted and deferred in
-{l['submit_and_defer_s']} s; their triggers waited in one event loop, as in Airflow's triggerer, while the
-cluster ran {l['driver_slots']} drivers at a time (`entrypoint_resources`). All triggers fired after
-{l['all_triggers_fired_s']} s; jobs succeeded: {l['jobs_succeeded']}/{l['operators']}; Ray jobs:
-{l['ray_jobs']} ({l['jobs_submitted_twice']} submitted twice); complete outputs: {l['outputs_complete']}.
-Event-loop lag while waiting: median {lag['median']} ms, p99 {lag['p99']} ms, max {lag['max']} ms.
+{load["operators"]} HttpLLMBatchOperator tasks ({load["rows_per_job"]} rows each) submitted and deferred in
+{load["submit_and_defer_s"]} s; their triggers waited in one event loop, as in Airflow's triggerer, while the
+cluster ran {load["driver_slots"]} drivers at a time (`entrypoint_resources`). All triggers fired after
+{load["all_triggers_fired_s"]} s; jobs succeeded: {load["jobs_succeeded"]}/{load["operators"]}; Ray jobs:
+{load["ray_jobs"]} ({load["jobs_submitted_twice"]} submitted twice); complete outputs: {load["outputs_complete"]}.
+Event-loop lag while waiting: median {lag["median"]} ms, p99 {lag["p99"]} ms, max {lag["max"]} ms.
 """
 
 
@@ -454,15 +456,17 @@ def main() -> int:
     if load:
         merged["load"] = {k: v for k, v in load.items() if k != "date"}
     merged["gpu_projection"] = gpu_projection()
-    merged["settings"] = {p: {k: v for k, v in parts[p].items() if k not in ("runs", "methods", "scale")} for p in parts}
+    merged["settings"] = {
+        p: {k: v for k, v in parts[p].items() if k not in ("runs", "methods", "scale")} for p in parts
+    }
     merged["versions"] = next((parts[p]["versions"] for p in parts if "versions" in parts[p]), {})
     out = RESULTS / f"{day}.json"
     out.write_text(json.dumps(merged, indent=2))
     versions = merged["versions"]
     text = f"""# Performance
 
-Figures from `make bench` on {day} (2 CPUs, no GPU; Ray {versions.get('ray', '?')}, vLLM
-{versions.get('vllm', '?')}). Timings on this machine are noisy: every comparison runs in interleaved rounds
+Figures from `make bench` on {day} (2 CPUs, no GPU; Ray {versions.get("ray", "?")}, vLLM
+{versions.get("vllm", "?")}). Timings on this machine are noisy: every comparison runs in interleaved rounds
 and reports the median and the spread. Raw numbers: `{out.relative_to(REPO)}` (merged) and the
 `{day}-*.json` files beside it.
 

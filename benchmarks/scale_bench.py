@@ -1,9 +1,14 @@
-"""Scale: 10^4, 10^5, 10^6 rows through the HTTP path against a fast local endpoint.
+"""Scale: 10^5, 10^6 and 4x10^6 rows through the HTTP path, with the Ray head's object store capped.
 
 HttpLLMBatchOperator (not deferred, as a worker runs it) sends every row to a local chat endpoint that
-answers at once, so the figures are the pipeline's own cost per row. For each size: rows/s from task start
-to manifest, and the peak resident memory of the Ray job's driver process and of this process (the
-Airflow worker running the task), sampled every 0.2 s.
+answers at once, so the figures are the pipeline's own cost per row. The local Ray head has a 512 MiB
+object store: a job that held its input (or its outputs) in the object store would spill to disk or
+fail; a streaming one holds a bounded window of rows whatever the input's size.
+
+For each size: rows/s from task start to manifest; peak resident memory of the Ray job's driver and of
+this process (the Airflow worker running the task); the object store's peak use and the bytes spilled,
+from Ray's own metrics (the head's Prometheus endpoint); and the seconds from the Ray job's start to the
+first output file on disk (this process watches the output folder).
 
 Writes benchmarks/results/<date>-scale.json; benchmarks/report.py turns it into docs/PERFORMANCE.md.
 """
@@ -13,10 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import re
 import sys
 import threading
 import time
+import urllib.request
 from datetime import date
 from pathlib import Path
 
@@ -25,32 +31,86 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import LOG_DIR, bench_home  # noqa: E402
 
+OBJECT_STORE_BYTES = 512 * 2**20
+_METRIC = re.compile(r"^(?P<name>[a-z_]+)\{(?P<labels>[^}]*)\} (?P<value>[0-9.e+-]+)")
 
-class PeakRss:
-    """Peak RSS (MB) of this process and of the job driver while a job runs."""
 
-    def __init__(self) -> None:
-        self.worker_mb = 0.0
-        self.driver_mb = 0.0
+def ray_metrics(port: int) -> dict[str, float]:
+    """The few of Ray's Prometheus metrics this bench reads (summed over their label sets)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    wanted = {
+        "ray_object_store_used_memory": None,
+        "ray_spill_manager_objects_bytes": 'State="Spilled"',
+        "ray_spill_manager_request_total": 'Type="Spilled"',
+    }
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if not m or m["name"] not in wanted:
+            continue
+        label = wanted[m["name"]]
+        if label is None or label in m["labels"]:
+            found[m["name"]] = found.get(m["name"], 0.0) + float(m["value"])
+    return found
+
+
+class Watch:
+    """While a job runs: peak RSS of this process and of the job driver, the object store's peak use and
+    the spilled bytes (Ray's metrics), and when the first output file appeared."""
+
+    def __init__(self, metrics_port: int, output_uri: Path) -> None:
+        self.metrics_port, self.output_uri = metrics_port, output_uri
+        self.worker_mb = self.driver_mb = self.object_store_mb = self.spilled_mb = 0.0
+        self.spill_requests_at_start: float | None = None
+        self.spill_requests = 0.0
+        self.first_output_at: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample_memory(self, me: object) -> None:
+        import psutil
+
+        self.worker_mb = max(self.worker_mb, me.memory_info().rss / 2**20)
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(proc.info.get("cmdline") or [])
+            if "airflow_provider_rayllm.job" in cmdline and "spec.json" in cmdline:
+                try:
+                    self.driver_mb = max(self.driver_mb, proc.memory_info().rss / 2**20)
+                except psutil.Error:
+                    pass
+
+    def _sample_ray(self) -> None:
+        try:
+            m = ray_metrics(self.metrics_port)
+        except OSError:
+            return
+        self.object_store_mb = max(self.object_store_mb, m.get("ray_object_store_used_memory", 0.0) / 2**20)
+        self.spilled_mb = max(self.spilled_mb, m.get("ray_spill_manager_objects_bytes", 0.0) / 2**20)
+        requests = m.get("ray_spill_manager_request_total", 0.0)
+        if self.spill_requests_at_start is None:
+            self.spill_requests_at_start = requests
+        self.spill_requests = requests - self.spill_requests_at_start
+
+    def _sample_outputs(self) -> None:
+        if self.first_output_at is None and any(self.output_uri.glob("_generations/*/outputs/part-*")):
+            self.first_output_at = time.time()
 
     def _run(self) -> None:
         import psutil
 
         me = psutil.Process()
+        tick = 0
         while not self._stop.is_set():
-            self.worker_mb = max(self.worker_mb, me.memory_info().rss / 2**20)
-            for proc in psutil.process_iter(["cmdline"]):
-                cmdline = " ".join(proc.info.get("cmdline") or [])
-                if "airflow_provider_rayllm.job" in cmdline and "spec.json" in cmdline:
-                    try:
-                        self.driver_mb = max(self.driver_mb, proc.memory_info().rss / 2**20)
-                    except psutil.Error:
-                        pass
+            self._sample_memory(me)
+            self._sample_outputs()
+            if tick % 5 == 0:
+                self._sample_ray()
+            tick += 1
             time.sleep(0.2)
+        self._sample_ray()
 
-    def __enter__(self) -> PeakRss:
+    def __enter__(self) -> Watch:
+        self._sample_ray()
         self._thread.start()
         return self
 
@@ -64,21 +124,22 @@ def write_rows(path: Path, n: int) -> str:
     import pyarrow.parquet as pq
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.table({"id": pa.array(range(n), pa.int64()), "prompt": [f"row {i}: say ok" for i in range(n)]})
-    pq.write_table(table, path, row_group_size=50_000)
+    with pq.ParquetWriter(path, pa.schema([("id", pa.int64()), ("prompt", pa.string())])) as writer:
+        for start in range(0, n, 100_000):
+            ids = range(start, min(n, start + 100_000))
+            writer.write_table(
+                pa.table({"id": pa.array(ids, pa.int64()), "prompt": [f"row {i}: say ok" for i in ids]}),
+                row_group_size=50_000,
+            )
     return str(path)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="10000,100000,1000000")
+    parser.add_argument("--sizes", default="100000,1000000,4000000")
     parser.add_argument("--actors", type=int, default=1)
     parser.add_argument("--in-flight", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=2000)
-    parser.add_argument(
-        "--merge", action="store_true",
-        help="keep the other sizes of today's results file (same settings) and replace only the sizes run now",
-    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
@@ -86,63 +147,104 @@ def main() -> int:
 
     import ray
 
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
     from airflow_provider_rayllm.local.cluster import LocalRayCluster
     from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
     from tests.integration.helpers import StandInTI
     from tests.integration.services import echo_server
 
-    log_dir = LOG_DIR
-    cluster = LocalRayCluster(state_dir=home / "ray", num_cpus=2)
+    cluster = LocalRayCluster(state_dir=home / "ray", num_cpus=2, object_store_memory=OBJECT_STORE_BYTES)
     info = cluster.start()
+    metrics_port = info.ports[5]
     points = []
     try:
-        with echo_server(0.0, log_dir) as url:
+        with echo_server(0.0, LOG_DIR) as url:
             os.environ["AIRFLOW_CONN_RAY_SCALE"] = info.airflow_conn_uri()
             os.environ["AIRFLOW_CONN_LLM_SCALE"] = json.dumps({"conn_type": "http", "host": f"{url}/v1"})
+            hook = RayJobHook(ray_conn_id="ray_scale")
             for n in sizes:
                 input_uri = write_rows(home / "in" / f"{n}.parquet", n)
+                output_uri = home / "out" / str(n)
                 op = HttpLLMBatchOperator(
-                    task_id=f"scale_{n}", ray_conn_id="ray_scale", http_conn_id="llm_scale", model="echo",
-                    input_uri=input_uri, output_uri=str(home / "out" / str(n)), prompt_column="prompt",
-                    keep_columns=["id"], concurrency=args.actors, batch_size=args.batch_size,
-                    max_in_flight=args.in_flight, deferrable=False, poll_interval=1.0,
+                    task_id=f"scale_{n}",
+                    ray_conn_id="ray_scale",
+                    http_conn_id="llm_scale",
+                    model="echo",
+                    input_uri=input_uri,
+                    output_uri=str(output_uri),
+                    prompt_column="prompt",
+                    keep_columns=["id"],
+                    concurrency=args.actors,
+                    batch_size=args.batch_size,
+                    max_in_flight=args.in_flight,
+                    deferrable=False,
+                    poll_interval=1.0,
                 )
-                with PeakRss() as rss:
+                with Watch(metrics_port, output_uri) as watch:
                     started = time.time()
                     manifest = op.execute({"ti": StandInTI("scale_bench", f"manual__{n}", op.task_id)})
                     seconds = time.time() - started
-                assert manifest["rows_out"] == n and manifest["rows_errored"] == 0, manifest
+                assert manifest["rows_out"] == n and manifest["rows_errored"] == 0, {
+                    k: manifest[k] for k in ("rows_in", "rows_out", "rows_errored")
+                }
+                job = hook.get_job_info(manifest["submission_id"]) or {}
+                job_start, job_end = float(job["start_time"]) / 1000, float(job["end_time"]) / 1000
                 point = {
-                    "rows": n, "seconds": seconds, "rows_per_s": n / seconds, "driver_s": manifest["wall_time_s"],
-                    "driver_peak_mb": rss.driver_mb, "worker_peak_mb": rss.worker_mb,
+                    "rows": n,
+                    "seconds": seconds,
+                    "rows_per_s": n / seconds,
+                    "job_s": job_end - job_start,
+                    "driver_s": manifest["wall_time_s"],
+                    "driver_peak_mb": watch.driver_mb,
+                    "worker_peak_mb": watch.worker_mb,
+                    "object_store_peak_mb": watch.object_store_mb,
+                    "spilled_mb": watch.spilled_mb,
+                    "spill_requests": watch.spill_requests,
+                    "first_output_s": None if watch.first_output_at is None else watch.first_output_at - job_start,
+                    "first_output_s_manifest": manifest.get("first_output_s"),
+                    "output_files": len(manifest["output_files"]),
                 }
                 points.append(point)
                 print(json.dumps(point), flush=True)
     finally:
         cluster.stop()
 
+    marginal = []
+    for a, b in zip(points, points[1:]):
+        marginal.append(
+            {"from": a["rows"], "to": b["rows"], "rows_per_s": (b["rows"] - a["rows"]) / (b["seconds"] - a["seconds"])}
+        )
     out = REPO / "benchmarks" / "results" / f"{date.today().isoformat()}-scale.json"
-    settings = {"actors": args.actors, "in_flight": args.in_flight, "batch_size": args.batch_size}
-    if args.merge and out.exists():
-        earlier = json.loads(out.read_text())
-        if earlier.get("settings") != settings:
-            raise SystemExit(f"--merge: {out} was measured with {earlier.get('settings')}, not {settings}")
-        kept = [p for p in earlier["scale"] if p["rows"] not in sizes]
-        points = sorted(kept + points, key=lambda p: p["rows"])
-    rates = [p["rows_per_s"] for p in points]
     results = {
         "date": date.today().isoformat(),
         "description": (
             f"HttpLLMBatchOperator, {args.actors} actor(s) x {args.in_flight} requests in flight, batch_size "
             f"{args.batch_size}, against a local chat endpoint that answers at once (client and server share the "
-            "2 cores); rows/s from task start to manifest, engine-free, so the figures are the pipeline's own cost."
+            f"2 cores), Ray head object store capped at {OBJECT_STORE_BYTES // 2**20} MiB; rows/s from task start to "
+            "manifest, engine-free, so the figures are the pipeline's own cost."
         ),
-        "settings": settings,
+        "settings": {
+            "actors": args.actors,
+            "in_flight": args.in_flight,
+            "batch_size": args.batch_size,
+            "object_store_mb": OBJECT_STORE_BYTES // 2**20,
+        },
         "scale": points,
-        "rows_per_s_spread": (max(rates) - min(rates)) / statistics.median(rates),
+        "marginal": marginal,
         "versions": {"ray": ray.__version__},
     }
+    if len(points) >= 2:
+        small, large = points[0], points[-1]
+        results["checks"] = {
+            "spilled_mb_max": max(p["spilled_mb"] for p in points),
+            "object_store_peak_ratio": large["object_store_peak_mb"] / max(small["object_store_peak_mb"], 1e-9),
+            "driver_peak_ratio": large["driver_peak_mb"] / max(small["driver_peak_mb"], 1e-9),
+            "first_output_share_at_largest": (large["first_output_s"] or large["job_s"]) / large["job_s"],
+        }
+        if len(marginal) >= 2:
+            results["checks"]["marginal_rate_change"] = marginal[-1]["rows_per_s"] / marginal[0]["rows_per_s"] - 1
     out.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results.get("checks")), flush=True)
     return 0
 
 

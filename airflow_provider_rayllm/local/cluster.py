@@ -22,7 +22,9 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DEFAULT_STATE_DIR = Path(os.environ.get("RAYLLM_LOCAL_DIR", Path.home() / ".cache" / "airflow_provider_rayllm" / "local"))
+DEFAULT_STATE_DIR = Path(
+    os.environ.get("RAYLLM_LOCAL_DIR", Path.home() / ".cache" / "airflow_provider_rayllm" / "local")
+)
 
 
 def free_port() -> int:
@@ -57,9 +59,7 @@ class ClusterInfo:
         extra: dict[str, object] = {}
         if output_base:
             extra["output_base"] = output_base
-        return json.dumps(
-            {"conn_type": "ray", "host": self.dashboard_url, "password": self.token, "extra": extra}
-        )
+        return json.dumps({"conn_type": "ray", "host": self.dashboard_url, "password": self.token, "extra": extra})
 
 
 class LocalRayCluster:
@@ -71,11 +71,14 @@ class LocalRayCluster:
         num_cpus: int | None = None,
         resources: dict | None = None,
         num_gpus: int = 0,
+        object_store_memory: int | None = None,
     ):
         self.state_dir = Path(state_dir)
         self.num_cpus = num_cpus or os.cpu_count() or 2
         self.resources = resources or {}
         self.num_gpus = num_gpus
+        # Bytes for the head's object store (Ray's default: 30% of the machine's memory).
+        self.object_store_memory = object_store_memory
 
     def add_node(self, num_cpus: int, resources: dict | None = None, timeout: float = 120.0) -> dict:
         """Start one more raylet on this machine and join it to the running head.
@@ -94,7 +97,8 @@ class LocalRayCluster:
         temp_dir = f"/tmp/rayllm-{port}-w{len(nodes) + 1}"
         agent_http, agent_grpc, runtime_env_agent, metrics = _free_ports(4)
         cmd = [
-            self._ray_bin(), "start",
+            self._ray_bin(),
+            "start",
             f"--address={info.gcs_address}",
             "--node-ip-address=127.0.0.1",
             f"--dashboard-agent-listen-port={agent_http}",
@@ -158,7 +162,9 @@ class LocalRayCluster:
         with open(log_path, "w") as log:
             proc = subprocess.run(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
         if proc.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd[1:3])}` failed with exit code {proc.returncode}; see {log_path}:\n{log_path.read_text()[-3000:]}")
+            raise RuntimeError(
+                f"`{' '.join(cmd[1:3])}` failed with exit code {proc.returncode}; see {log_path}:\n{log_path.read_text()[-3000:]}"
+            )
 
     def _ray_bin(self) -> str:
         candidate = Path(sys.executable).with_name("ray")
@@ -178,7 +184,9 @@ class LocalRayCluster:
         # Ray's session folder path must stay short (unix socket paths are limited to 107 bytes).
         temp_dir = Path("/tmp") / f"rayllm-{gcs}"
         cmd = [
-            self._ray_bin(), "start", "--head",
+            self._ray_bin(),
+            "start",
+            "--head",
             "--node-ip-address=127.0.0.1",
             f"--port={gcs}",
             "--dashboard-host=127.0.0.1",
@@ -195,6 +203,8 @@ class LocalRayCluster:
         ]
         if self.resources:
             cmd.append(f"--resources={json.dumps(self.resources)}")
+        if self.object_store_memory:
+            cmd.append(f"--object-store-memory={int(self.object_store_memory)}")
         self._ray_start(cmd, self.state_dir / "ray-start.log", timeout)
         info = ClusterInfo(
             gcs_address=f"127.0.0.1:{gcs}",
