@@ -10,7 +10,11 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from airflow_provider_rayllm.spec import PROGRESS_LOG_PREFIX
+from pydantic import BaseModel, ConfigDict, Field
+
+from airflow_provider_rayllm.spec import MANIFEST_NAME, MANIFEST_VERSION, PROGRESS_LOG_PREFIX
+
+__all__ = ["MANIFEST_NAME"]
 
 # Files in the job package (the Ray job's working_dir).
 SPEC_FILE = "spec.json"
@@ -72,3 +76,49 @@ def describe_progress(p: dict[str, Any]) -> str:
         f"{done}/{read} rows done{share}, {errored} error row(s), {int(p.get('tokens_out') or 0)} tokens out, "
         f"{float(p.get('tokens_per_s') or 0):.1f} tokens/s, {files} file(s) written, {float(p.get('elapsed_s') or 0):.0f} s"
     )
+
+
+class OutputFile(BaseModel):
+    uri: str
+    rows: int
+    bytes: int
+
+
+class Manifest(BaseModel):
+    """What a finished batch job published (``manifest.json`` under ``output_uri``, written last), and what
+    the operator returns through XCom: locations and figures, never rows. Engine-specific details (the
+    resolved engine settings, the endpoint, cost) come as further keys."""
+
+    model_config = ConfigDict(extra="allow")
+
+    manifest_version: int = MANIFEST_VERSION
+    status: str = "SUCCEEDED"
+    submission_id: str = Field(description="The Ray job's submission id.")
+    generation: str = Field(description="The folder under output_uri/_generations that this manifest publishes.")
+    spec_hash: str
+    output_uri: str = Field(description="The task's output prefix (the operator's output_uri).")
+    outputs_folder: str = Field(description="Folder of the published output files.")
+    errors_folder: str = Field(
+        description="Folder of the published error files (one row per failed input row, with its reason)."
+    )
+    format: str
+    output_files: list[OutputFile]
+    error_files: list[OutputFile]
+    rows_in: int
+    rows_out: int
+    rows_errored: int
+    rows_resumed: int = 0
+    errors_by_reason: dict[str, int] = Field(default_factory=dict)
+    input_tokens: int
+    output_tokens: int
+    wall_time_s: float
+    first_output_s: float | None = None
+    timeline: dict[str, float | None] = Field(default_factory=dict)
+    started_at: str
+    finished_at: str
+    kind: str
+    model: str
+    task_type: str
+    versions: dict[str, str]
+    run: dict[str, Any]
+    output_table: dict[str, Any] | None = None

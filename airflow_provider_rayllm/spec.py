@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 import string
-from typing import Annotated, Any, Callable, Literal, Union
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -49,6 +49,32 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
 
+def arg(
+    name: str | None = None,
+    *,
+    templated: bool = False,
+    renderer: str | None = None,
+    hidden: bool = False,
+    optional: bool = False,
+) -> dict:
+    """How a spec field shows as an operator argument (``arguments.py`` reads it): its name when it is not
+    the field's, whether Airflow renders it as a template (and how the UI shows it), that the argument is
+    optional though the field is required (one of several ways to give it, or a default the operator
+    computes), or that it is no argument at all (set from a connection or another argument)."""
+    return {
+        "operator_arg": {
+            "name": name,
+            "templated": templated,
+            "renderer": renderer,
+            "hidden": hidden,
+            "optional": optional,
+        }
+    }
+
+
+HIDDEN = arg(hidden=True)
+
+
 def uri_scheme(uri: str) -> str:
     """``"s3"`` for ``s3://b/k``, ``"file"`` for a plain path."""
     match = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://", uri)
@@ -66,8 +92,7 @@ def _check_uri(field: str, uri: str) -> str:
     scheme = uri_scheme(uri)
     if scheme not in URI_SCHEMES:
         raise ValueError(
-            f"{field} {uri!r} has scheme {scheme!r}; allowed: local paths, "
-            + ", ".join(f"{s}://" for s in URI_SCHEMES)
+            f"{field} {uri!r} has scheme {scheme!r}; allowed: local paths, " + ", ".join(f"{s}://" for s in URI_SCHEMES)
         )
     if scheme not in ("file",) and not uri.split("://", 1)[1].split("/", 1)[0]:
         raise ValueError(f"{field} {uri!r} names no bucket (expected {scheme}://<bucket>/<path>)")
@@ -83,12 +108,22 @@ def format_from_uri(uri: str) -> FileFormat | None:
 
 
 class FileSource(_Strict):
-    kind: Literal["files"] = Field("files", description="Input read from files on a path or bucket.")
-    uris: list[str] = Field(description="Files, folders or globs (local paths, s3://, gs://).", min_length=1)
-    format: FileFormat | None = Field(
-        None, description="parquet, jsonl or csv; inferred from the file extension when omitted."
+    kind: Literal["files"] = Field(
+        "files", description="Input read from files on a path or bucket.", json_schema_extra=HIDDEN
     )
-    columns: list[str] | None = Field(None, description="Read only these columns.")
+    uris: list[str] = Field(
+        description="Files, folders or globs (local paths, s3://, gs://); Parquet, JSONL or CSV.",
+        min_length=1,
+        json_schema_extra=arg("input_uri", templated=True, optional=True),
+    )
+    format: FileFormat | None = Field(
+        None,
+        description="parquet, jsonl or csv; inferred from the file extension when omitted.",
+        json_schema_extra=arg("input_format"),
+    )
+    columns: list[str] | None = Field(
+        None, description="Read only these columns.", json_schema_extra=arg("input_columns")
+    )
 
     @field_validator("uris", mode="before")
     @classmethod
@@ -111,11 +146,26 @@ class FileSource(_Strict):
 
 
 class SqlSource(_Strict):
-    kind: Literal["sql"] = Field("sql", description="Input from a SQL query the Ray job runs itself.")
-    sql: str = Field(min_length=1, description="A SELECT statement; rows never pass through the Airflow worker.")
-    dialect: Literal["postgresql", "mysql", "sqlite"] = Field(description="Database kind, from the Airflow connection.")
-    shard_keys: list[str] | None = Field(None, description="Columns to split the query into parallel reads.")
-    parallelism: int | None = Field(None, ge=1, description="Number of parallel reads when shard_keys are given.")
+    kind: Literal["sql"] = Field(
+        "sql", description="Input from a SQL query the Ray job runs itself.", json_schema_extra=HIDDEN
+    )
+    sql: str = Field(
+        min_length=1,
+        description="A SELECT statement the Ray job runs (with sql_conn_id); rows never pass through the Airflow worker.",
+        json_schema_extra=arg(templated=True, renderer="sql", optional=True),
+    )
+    dialect: Literal["postgresql", "mysql", "sqlite"] = Field(
+        description="Database kind, from the Airflow connection.", json_schema_extra=HIDDEN
+    )
+    shard_keys: list[str] | None = Field(
+        None, description="Columns to split the query into parallel reads.", json_schema_extra=arg("sql_shard_keys")
+    )
+    parallelism: int | None = Field(
+        None,
+        ge=1,
+        description="Number of parallel reads when sql_shard_keys are given.",
+        json_schema_extra=arg("sql_parallelism"),
+    )
 
     @field_validator("sql")
     @classmethod
@@ -126,7 +176,34 @@ class SqlSource(_Strict):
         return body
 
 
-Source = Annotated[Union[FileSource, SqlSource], Field(discriminator="kind")]
+# Rows given inline travel in the spec (and so in the Jobs API's record): small inputs only.
+MAX_INLINE_ROWS_BYTES = 1 << 20
+
+
+class RowsSource(_Strict):
+    kind: Literal["rows"] = Field(
+        "rows", description="Input given as rows in the task itself (the guide's from_items).", json_schema_extra=HIDDEN
+    )
+    rows: list[Any] = Field(
+        min_length=1,
+        description="Small inputs given as rows with the task (the guide's from_items): dicts, or plain values "
+        "(each becomes {'item': value}); at most 1 MiB as JSON.",
+        json_schema_extra=arg("input_rows", templated=True, renderer="json", optional=True),
+    )
+
+    @field_validator("rows")
+    @classmethod
+    def _small(cls, value: list[Any]) -> list[Any]:
+        size = len(json.dumps(value, default=str))
+        if size > MAX_INLINE_ROWS_BYTES:
+            raise ValueError(
+                f"input_rows is {size} bytes as JSON, above the {MAX_INLINE_ROWS_BYTES} byte limit for rows shipped "
+                "with the job; write them to a file or a table and give input_uri or sql"
+            )
+        return [row if isinstance(row, dict) else {"item": row} for row in value]
+
+
+Source = Annotated[FileSource | SqlSource | RowsSource, Field(discriminator="kind")]
 
 
 class CallableRef(_Strict):
@@ -148,14 +225,36 @@ class CallableRef(_Strict):
 class PromptSpec(_Strict):
     """How a row becomes a request. Exactly one of the four ways is used."""
 
-    prompt_column: str | None = Field(None, description="Column whose text is the user message.")
-    template: str | None = Field(None, description="str.format template over row columns, e.g. 'Summarize: {text}'.")
-    messages_column: str | None = Field(None, description="Column holding OpenAI-style chat messages.")
-    preprocess: CallableRef | None = Field(None, description="Callable row -> request dict, as in the guide.")
-    system_prompt: str | None = Field(None, description="System message put before the user message.")
-    sampling_params: dict[str, Any] = Field(default_factory=dict, description="vLLM sampling params per request.")
+    prompt_column: str | None = Field(
+        None, description="Column whose text is the user message.", json_schema_extra=arg(templated=True)
+    )
+    template: str | None = Field(
+        None,
+        description="str.format template over row columns, e.g. 'Summarize: {text}'.",
+        json_schema_extra=arg("prompt_template", templated=True, renderer="jinja"),
+    )
+    messages_column: str | None = Field(
+        None, description="Column holding OpenAI-style chat messages.", json_schema_extra=arg(templated=True)
+    )
+    preprocess: CallableRef | None = Field(
+        None,
+        description="Callable row -> request dict, as in the guide (or 'module:function').",
+        json_schema_extra=arg(renderer="py"),
+    )
+    system_prompt: str | None = Field(
+        None, description="System message put before the user message.", json_schema_extra=arg(templated=True)
+    )
+    sampling_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vLLM sampling params per request (structured_outputs and guided_* too).",
+        json_schema_extra=arg(templated=True, renderer="json"),
+    )
     pooling_params: dict[str, Any] | None = Field(None, description="vLLM pooling params (embed/classify/score).")
-    postprocess: CallableRef | None = Field(None, description="Callable output row -> dict, as in the guide.")
+    postprocess: CallableRef | None = Field(
+        None,
+        description="Callable output row -> dict, as in the guide: its dict is the output row, exactly.",
+        json_schema_extra=arg(renderer="py"),
+    )
     lora_column: str | None = Field(
         None, description="Column naming the LoRA adapter for each row; empty means the base model."
     )
@@ -183,12 +282,13 @@ class PromptSpec(_Strict):
         ]
         if len(ways) != 1:
             raise ValueError(
-                "give exactly one of prompt_column, template, messages_column, preprocess; "
-                f"got {ways or 'none'}"
+                f"give exactly one of prompt_column, template, messages_column, preprocess; got {ways or 'none'}"
             )
         if self.image_column is not None and (self.messages_column is not None or self.preprocess is not None):
-            raise ValueError("prompt.image_column works with prompt_column or template; with messages_column or "
-                             "preprocess, put the image in the messages yourself")
+            raise ValueError(
+                "prompt.image_column works with prompt_column or template; with messages_column or "
+                "preprocess, put the image in the messages yourself"
+            )
         if self.system_prompt is not None and self.messages_column is not None:
             raise ValueError("prompt.system_prompt cannot be combined with messages_column (put it in the messages)")
         if self.id_column is not None and self.keep_columns is not None and self.id_column not in self.keep_columns:
@@ -226,15 +326,30 @@ class PromptSpec(_Strict):
 class VLLMProcessorSpec(_Strict):
     """vLLMEngineProcessorConfig settings under their own names."""
 
-    model_source: str = Field(description="Hugging Face id, local path on the cluster, or s3:// / gs:// URI.")
+    model_source: str = Field(
+        description="Hugging Face id, local path on the cluster, or s3:// / gs:// URI (with serve_deployment: the "
+        "model id the deployment serves).",
+        json_schema_extra=arg(templated=True),
+    )
     task_type: TaskType = Field("generate", description="generate, embed, classify or score.")
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments.")
-    concurrency: int | tuple[int, int] = Field(1, description="Engine replicas, or (min, max) to autoscale.")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vLLM engine arguments; they win over the profile's defaults.",
+        json_schema_extra=arg(templated=True, renderer="json"),
+    )
+    concurrency: int | tuple[int, int] = Field(
+        1, description="Engine replicas, or (min, max) to autoscale.", json_schema_extra=arg(templated=True)
+    )
     batch_size: int = Field(32, ge=1, description="Rows per batch sent to an engine replica.")
-    accelerator_type: str | None = Field(None, description="GPU type the engine needs, e.g. 'L4'.")
-    runtime_env: dict[str, Any] | None = Field(None, description="Ray runtime_env for the engine stage.")
+    accelerator_type: str | None = Field(
+        None, description="GPU type the engine needs, e.g. 'L4'.", json_schema_extra=arg(templated=True)
+    )
+    runtime_env: dict[str, Any] | None = Field(
+        None, description="Ray runtime_env for the engine stage (the guide's HF_TOKEN there becomes a job secret)."
+    )
     max_concurrent_batches: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Batches in flight per engine replica; default: enough for twice the engine's max_num_seqs.",
     )
     max_tasks_in_flight_per_actor: int | None = Field(None, ge=1, description="Ray Data tasks per engine actor.")
@@ -242,7 +357,9 @@ class VLLMProcessorSpec(_Strict):
         None, ge=1, description="Requests the engine holds at once; default: twice its max_num_seqs."
     )
     placement_group_config: dict[str, Any] | None = Field(
-        None, description="{'bundles': [...]} or {'bundle_per_worker': {...}}, optional 'strategy'."
+        None,
+        description="{'bundles': [...]} or {'bundle_per_worker': {...}}, optional 'strategy'.",
+        json_schema_extra=arg(templated=True, renderer="json"),
     )
     chat_template_stage: bool | dict[str, Any] = Field(True, description="Chat template stage (bool or config).")
     tokenize_stage: bool | dict[str, Any] = Field(
@@ -253,7 +370,9 @@ class VLLMProcessorSpec(_Strict):
     )
     prepare_multimodal_stage: bool | dict[str, Any] = Field(False, description="Multimodal stage (bool or config).")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra kwargs for apply_chat_template.")
-    dynamic_lora_loading_path: str | None = Field(None, description="Folder or bucket of LoRA adapters.")
+    dynamic_lora_loading_path: str | None = Field(
+        None, description="Folder or bucket of LoRA adapters.", json_schema_extra=arg(templated=True)
+    )
     lora_adapters: list[str] | None = Field(
         None, description="Adapter names rows may ask for (subfolders of dynamic_lora_loading_path)."
     )
@@ -265,6 +384,13 @@ class VLLMProcessorSpec(_Strict):
             if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) or ".." in name:
                 raise ValueError(f"LoRA adapter name {name!r} must be a plain folder name (letters, digits, . _ -)")
         return value
+
+    price_per_hour: float | None = Field(
+        None,
+        ge=0,
+        description="Price of one GPU-hour (one CPU-hour on a CPU cluster), for the manifest's estimated_cost: the "
+        "engine actors' lifetime x the GPUs (CPUs) each reserves x this price.",
+    )
     log_engine_metrics: bool = Field(False, description="Export vLLM metrics through Ray's Prometheus endpoint.")
     usage_stats: bool = Field(
         False, description="Let Ray and vLLM send usage statistics (off: the engine gets the opt-out variables)."
@@ -357,13 +483,24 @@ HttpEndpoint = Literal["chat/completions", "completions", "embeddings"]
 class HttpProcessorSpec(_Strict):
     """Calls to an OpenAI-compatible endpoint. The base URL comes from the Airflow connection only."""
 
-    base_url: str = Field(description="Endpoint base, e.g. 'http://127.0.0.1:8000/v1' (from the connection).")
+    base_url: str = Field(
+        description="Endpoint base, e.g. 'http://127.0.0.1:8000/v1' (from the connection).", json_schema_extra=HIDDEN
+    )
     endpoint: HttpEndpoint = Field("chat/completions", description="chat/completions, completions or embeddings.")
-    model: str = Field(min_length=1, description="Model name the endpoint serves.")
+    model: str = Field(
+        min_length=1, description="Model name the endpoint serves.", json_schema_extra=arg(templated=True)
+    )
     concurrency: int = Field(1, ge=1, description="Ray actors sending requests.")
     batch_size: int = Field(256, ge=1, description="Rows handed to an actor at a time.")
-    max_in_flight: int = Field(64, ge=1, le=4096, description="Requests in flight per actor.")
-    qps: float | None = Field(None, gt=0, description="Requests per second for the whole job, shared across actors.")
+    max_in_flight: int = Field(
+        64, ge=1, le=4096, description="Requests in flight per actor.", json_schema_extra=arg(templated=True)
+    )
+    qps: float | None = Field(
+        None,
+        gt=0,
+        description="Requests per second for the whole job, shared across actors.",
+        json_schema_extra=arg(templated=True),
+    )
     max_retries: int = Field(6, ge=0, le=100, description="Retries per row on 408/429/5xx and connection errors.")
     max_total_wait_s: float = Field(300.0, gt=0, description="Give a row up after this long, retries included.")
     timeout_s: float = Field(120.0, gt=0, description="Timeout of one request.")
@@ -392,24 +529,63 @@ class ServeProcessorSpec(_Strict):
     inference with a Serve deployment"): no engine starts in the job, and several jobs (or the turns of a
     conversation, task after task) share the deployment's engine."""
 
-    deployment_name: str = Field(min_length=1, description="The Serve deployment's name.")
-    app_name: str = Field("default", min_length=1, description="The Serve application holding it.")
-    model: str = Field(min_length=1, description="Model id the deployment serves (its model_loading_config.model_id).")
-    endpoint: Literal["chat", "completions", "embeddings"] = Field("chat", description="Which OpenAI-style method to call.")
-    concurrency: int = Field(1, ge=1, description="Ray Data actors holding a handle to the deployment.")
-    batch_size: int = Field(16, ge=1, description="Rows handed to an actor at a time.")
-    request_timeout_s: float | None = Field(None, gt=0, description="A request slower than this becomes an error row.")
+    deployment_name: str = Field(
+        min_length=1,
+        description="Name of an LLM deployment already running on the cluster's Ray Serve: rows go to it and no "
+        "engine starts in the job (model_source is then the model id it serves).",
+        json_schema_extra=arg("serve_deployment", templated=True, optional=True),
+    )
+    app_name: str = Field(
+        "default",
+        min_length=1,
+        description="The Serve application holding serve_deployment.",
+        json_schema_extra=arg("serve_app", templated=True),
+    )
+    model: str = Field(
+        min_length=1,
+        description="Model id the deployment serves (its model_loading_config.model_id).",
+        json_schema_extra=HIDDEN,
+    )
+    endpoint: Literal["chat", "completions", "embeddings"] = Field(
+        "chat",
+        description="With serve_deployment: the deployment method the rows call (chat, completions; "
+        "embeddings for task_type 'embed').",
+        json_schema_extra=arg("serve_method"),
+    )
+    concurrency: int = Field(
+        1, ge=1, description="Ray Data actors holding a handle to the deployment.", json_schema_extra=HIDDEN
+    )
+    batch_size: int = Field(16, ge=1, description="Rows handed to an actor at a time.", json_schema_extra=HIDDEN)
+    request_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="With serve_deployment: a request slower than this becomes an error row.",
+        json_schema_extra=arg("serve_request_timeout_s"),
+    )
 
 
 class SinkSpec(_Strict):
-    uri: str = Field(description="Output prefix (folder or bucket prefix) owned by this task instance.")
-    format: SinkFormat = Field("parquet", description="parquet or jsonl.")
+    uri: str = Field(
+        description="Output prefix (folder, s3:// or gs://) of this task instance; default "
+        "{output_base}/{dag_id}/{run_id}/{task_id}[/map_N] from the ray connection.",
+        json_schema_extra=arg("output_uri", templated=True, optional=True),
+    )
+    format: SinkFormat = Field(
+        "parquet",
+        description="parquet or jsonl, for the output and error files.",
+        json_schema_extra=arg("output_format"),
+    )
     rows_per_file: int | None = Field(
-        None, ge=1, le=10_000_000,
+        None,
+        ge=1,
+        le=10_000_000,
         description="Answered rows gathered into one output file; files appear as each fills, while the job runs. "
         "They are also what a resumed attempt keeps (id_column). Default: 1000, or one engine batch with id_column.",
+        json_schema_extra=arg("output_rows_per_file"),
     )
-    table: TableSinkSpec | None = Field(None, description="Also write the output rows to a warehouse table.")
+    table: TableSinkSpec | None = Field(
+        None, description="Also write the output rows to a warehouse table.", json_schema_extra=HIDDEN
+    )
 
     @field_validator("uri")
     @classmethod
@@ -419,9 +595,11 @@ class SinkSpec(_Strict):
 
 class LimitsSpec(_Strict):
     max_error_fraction: float = Field(
-        0.1, ge=0.0, le=1.0, description="Fail the job when error rows / input rows exceeds this."
+        0.1, ge=0.0, le=1.0, description="Fail the task (publishing nothing) when error rows / input rows exceeds this."
     )
-    max_rows: int | None = Field(None, ge=1, description="Process at most this many input rows.")
+    max_rows: int | None = Field(
+        None, ge=1, description="Process at most this many input rows.", json_schema_extra=arg(templated=True)
+    )
 
 
 class RunSpec(_Strict):
@@ -452,7 +630,9 @@ class JobSpec(_Strict):
     def _source_kind(cls, data: Any) -> Any:
         # A source with uris and no kind is a file source (the common case, and older specs).
         if isinstance(data, dict) and isinstance(data.get("source"), dict) and "kind" not in data["source"]:
-            data = {**data, "source": {**data["source"], "kind": "sql" if "sql" in data["source"] else "files"}}
+            source = data["source"]
+            kind = "sql" if "sql" in source else "rows" if "rows" in source else "files"
+            data = {**data, "source": {**source, "kind": kind}}
         return data
 
     @model_validator(mode="after")
@@ -460,7 +640,9 @@ class JobSpec(_Strict):
         p = self.prompt
         sections = {"vllm": self.processor, "http": self.http, "serve": self.serve}
         if any((kind == self.kind) != (section is not None) for kind, section in sections.items()):
-            raise ValueError(f"a {self.kind!r} job needs exactly its own settings section ('processor', 'http' or 'serve')")
+            raise ValueError(
+                f"a {self.kind!r} job needs exactly its own settings section ('processor', 'http' or 'serve')"
+            )
         if self.task_type != "generate" and p.messages_column is not None:
             raise ValueError(f"prompt.messages_column needs task_type 'generate', got {self.task_type!r}")
         if p.image_column is not None and self.task_type != "generate":
@@ -471,7 +653,9 @@ class JobSpec(_Strict):
             if not self.processor.engine_kwargs.get("enable_lora"):
                 raise ValueError("prompt.lora_column needs engine_kwargs enable_lora=True")
             if not self.processor.dynamic_lora_loading_path:
-                raise ValueError("prompt.lora_column needs dynamic_lora_loading_path (the folder or bucket of adapters)")
+                raise ValueError(
+                    "prompt.lora_column needs dynamic_lora_loading_path (the folder or bucket of adapters)"
+                )
         reserved = {OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, ERROR_COLUMN}
         if p.output_column in reserved:
             raise ValueError(f"prompt.output_column {p.output_column!r} is reserved; pick another name")
@@ -482,7 +666,9 @@ class JobSpec(_Strict):
     def task_type(self) -> str:
         if self.processor is not None:
             return self.processor.task_type
-        endpoint = self.http.endpoint if self.http is not None else self.serve.endpoint if self.serve is not None else ""
+        endpoint = (
+            self.http.endpoint if self.http is not None else self.serve.endpoint if self.serve is not None else ""
+        )
         return "embed" if endpoint == "embeddings" else "generate"
 
     @property
@@ -507,15 +693,23 @@ class JobSpec(_Strict):
 class UploadJobSpec(_Strict):
     """Copy model weights to a bucket, verified file by file (the guide's upload_model, as a job)."""
 
-    version: Literal[1] = Field(SPEC_VERSION, description="Spec version; the job refuses other versions.")
-    kind: Literal["upload"] = Field("upload", description="Which job runs.")
-    model_source: str = Field(min_length=1, description="Hugging Face id or a folder on the cluster.")
-    bucket_uri: str = Field(description="s3:// or gs:// prefix that receives the model's files.")
-    revision: str | None = Field(None, description="Hugging Face revision (branch, tag or commit).")
+    version: Literal[1] = Field(
+        SPEC_VERSION, description="Spec version; the job refuses other versions.", json_schema_extra=HIDDEN
+    )
+    kind: Literal["upload"] = Field("upload", description="Which job runs.", json_schema_extra=HIDDEN)
+    model_source: str = Field(
+        min_length=1, description="Hugging Face id or a folder on the cluster.", json_schema_extra=arg(templated=True)
+    )
+    bucket_uri: str = Field(
+        description="s3:// or gs:// prefix that receives the model's files.", json_schema_extra=arg(templated=True)
+    )
+    revision: str | None = Field(
+        None, description="Hugging Face revision (branch, tag or commit).", json_schema_extra=arg(templated=True)
+    )
     allow_patterns: list[str] | None = Field(None, description="Only files matching these globs.")
     ignore_patterns: list[str] | None = Field(None, description="Leave out files matching these globs.")
     overwrite: bool = Field(False, description="Replace a destination that holds a different model.")
-    run: RunSpec = Field(default_factory=RunSpec)
+    run: RunSpec = Field(default_factory=RunSpec, json_schema_extra=HIDDEN)
 
     @field_validator("bucket_uri")
     @classmethod
@@ -541,7 +735,7 @@ class UploadJobSpec(_Strict):
         return self.model_dump_json(indent=2)
 
 
-AnySpec = Union[JobSpec, UploadJobSpec]
+AnySpec = JobSpec | UploadJobSpec
 
 
 def validate_body(data: str | dict[str, Any]) -> AnySpec:
@@ -584,7 +778,7 @@ def map_guide_flags(settings: dict[str, Any]) -> dict[str, Any]:
 def _field_path(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc]
     # A discriminated union puts the chosen tag in the path: source.files.uris -> source.uris.
-    if len(parts) > 1 and parts[0] == "source" and parts[1] in ("files", "sql"):
+    if len(parts) > 1 and parts[0] == "source" and parts[1] in ("files", "sql", "rows"):
         del parts[1]
     return ".".join(p for p in parts if not p.startswith("function-"))
 

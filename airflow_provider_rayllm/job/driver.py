@@ -59,18 +59,29 @@ def kept_columns(prompt: PromptSpec, columns: list[str]) -> list[str]:
     return list(keep)
 
 
-def plan(spec: JobSpec, engine: Engine, ds: Any, keep: list[str], package_dir: str, tally: Any, saved: list[str]) -> Any:
+def plan(
+    spec: JobSpec, engine: Engine, ds: Any, keep: list[str], package_dir: str, tally: Any, saved: list[str]
+) -> Any:
     """The lazy plan up to the sink: rows -> requests -> blocks of one engine batch -> answered rows."""
     stage = dict(
-        prompt=spec.prompt, task_type=spec.task_type, keep=keep, package_dir=package_dir, tally=tally,
-        lora=engine.lora(), saved_files=saved,
+        prompt=spec.prompt,
+        task_type=spec.task_type,
+        keep=keep,
+        package_dir=package_dir,
+        tally=tally,
+        lora=engine.lora(),
+        saved_files=saved,
     )
     if spec.prompt.id_column:
         # One actor sees every id: the uniqueness check and the resume skip need one place.
         import ray.data
 
         ds = ds.map_batches(
-            RequestStage, fn_constructor_kwargs=stage, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), **LIGHT
+            RequestStage,
+            fn_constructor_kwargs=stage,
+            batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(size=1),
+            **LIGHT,
         )
     else:
         ds = ds.map_batches(RequestStage(**stage), batch_format="pyarrow", **LIGHT)
@@ -148,11 +159,11 @@ def check_counts(counted: dict[str, Any], written: dict[str, Any], adopted_rows:
         )
 
 
-def check_error_fraction(errors: int, rows: int, limit: float, errors_uri: str) -> None:
+def check_error_fraction(errors: int, rows: int, limit: float, errors_folder: str) -> None:
     if rows and errors / rows > limit:
         raise JobError(
             f"{errors} of {rows} rows failed ({errors / rows:.1%}), above max_error_fraction={limit}; "
-            f"nothing was published (error rows are in {errors_uri})"
+            f"nothing was published (error rows are in {errors_folder})"
         )
 
 
@@ -171,34 +182,42 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     started = time.time()
     started_at = datetime.now(timezone.utc).isoformat()
 
-    # 1. Checks that need no engine, no endpoint and no rows.
+    # 1. Checks that need no engine, no endpoint and no rows: the input's first (file heads and footers, a
+    # one-row query), then the engine's settings (which loads vLLM for its own judgement).
+    source = open_input(spec)
+    keep = kept_columns(spec.prompt, source.columns)
+    say("input: %s", source.description)
     engine = open_engine(spec, package_dir)
     engine.check()
     check_free_cpus(engine, spec)
     say("%s", engine.describe())
-    source = open_input(spec)
-    keep = kept_columns(spec.prompt, source.columns)
-    say("input: %s", source.description)
 
     # 2. This attempt's own folder; with an id column, the answers an earlier attempt saved.
     generation = generations.start(spec)
     gen_uri = generations.generation_uri(spec.sink.uri, generation.name)
-    outputs_uri, errors_uri = io.join(gen_uri, OUTPUTS), io.join(gen_uri, ERRORS)
+    outputs_folder, errors_folder = io.join(gen_uri, OUTPUTS), io.join(gen_uri, ERRORS)
     published = manifest.read(spec.sink.uri)
-    saved = resume.saved_files(spec.sink.uri, generation, (published or {}).get("generation")) if spec.prompt.id_column else []
+    saved = (
+        resume.saved_files(spec.sink.uri, generation, (published or {}).get("generation"))
+        if spec.prompt.id_column
+        else []
+    )
     say("writing generation %s (%d saved file(s) of earlier attempts to resume from)", gen_uri, len(saved))
 
     # 3. The stream, once.
     with ProgressLog(print_line, say, engine.actor_name()) as progress:
         sink = ResultSink(gen_uri, spec.sink.format, rows_per_file(spec, engine), engine.shaper(), progress.tally)
         try:
-            plan(spec, engine, source.ds, keep, package_dir, progress.tally, saved).write_datasink(sink, ray_remote_args=WRITE)
+            plan(spec, engine, source.ds, keep, package_dir, progress.tally, saved).write_datasink(
+                sink, ray_remote_args=WRITE
+            )
         except Exception as exc:
             ours = job_error_in(exc)
             if ours is not None:
                 raise JobError(str(ours)) from None
             raise
         counted = progress.finish()
+        timeline = progress.timeline(counted, started)
     written = totals(sink.results)
     for example in written["error_examples"]:
         say("error row: %s", example)
@@ -212,7 +231,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         raise JobError("source: no rows reached the job")
     written["output_files"] = sorted(written["output_files"] + adopted, key=lambda f: f["uri"])
     written["rows_out"] += adopted_rows
-    check_error_fraction(written["rows_errored"], rows_in, spec.limits.max_error_fraction, errors_uri)
+    check_error_fraction(written["rows_errored"], rows_in, spec.limits.max_error_fraction, errors_folder)
 
     # 5. Publish: the table (all or nothing), then the manifest, then this task's older generations go.
     table_rows = 0
@@ -220,21 +239,22 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         from airflow_provider_rayllm.job.sinks import table as table_sink
 
         t = spec.sink.table
-        table_rows = table_sink.write([f["uri"] for f in written["output_files"]], t.dialect, t.table, t.run_key, generation.name)
+        table_rows = table_sink.write(
+            [f["uri"] for f in written["output_files"]], t.dialect, t.table, t.run_key, generation.name
+        )
         say("output table %s: %d rows for run key %s", t.table, table_rows, t.run_key)
-    first = counted["first_write_at"]
     body = manifest.build(
         spec=spec,
         submission_id=submission_id,
         generation=generation.name,
-        outputs_uri=outputs_uri,
-        errors_uri=errors_uri,
+        outputs_folder=outputs_folder,
+        errors_folder=errors_folder,
         written=written,
         rows_in=rows_in,
         rows_resumed=adopted_rows,
         started_at=started_at,
         wall_time_s=time.time() - started,
-        first_output_s=None if first is None else round(first - started, 3),
+        timeline=timeline,
         details=engine.details(written),
         versions={"ray": ray.__version__, **engine.versions()},
         table_rows=table_rows,
@@ -243,7 +263,14 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     removed = generations.remove_older(spec.sink.uri, generation)
     say(
         "published %s: %d rows in, %d out (%d resumed), %d error rows, tokens in/out %d/%d, %.1f s; older generations removed: %d",
-        spec.sink.uri, rows_in, written["rows_out"], adopted_rows, written["rows_errored"],
-        written["input_tokens"], written["output_tokens"], time.time() - started, len(removed),
+        spec.sink.uri,
+        rows_in,
+        written["rows_out"],
+        adopted_rows,
+        written["rows_errored"],
+        written["input_tokens"],
+        written["output_tokens"],
+        time.time() - started,
+        len(removed),
     )
     return body

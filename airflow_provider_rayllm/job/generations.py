@@ -21,7 +21,9 @@ from airflow_provider_rayllm.job import io
 from airflow_provider_rayllm.spec import JobSpec, RunSpec
 
 GENERATIONS = "_generations"
-_NAME = re.compile(r"^ti(?P<ti>[0-9a-f]{12})\.s(?P<settings>[0-9a-f]{12})\.(?P<start>\d{8}T\d{12})-(?P<nonce>[0-9a-f]{6})$")
+_NAME = re.compile(
+    r"^ti(?P<ti>[0-9a-f]{12})\.s(?P<settings>[0-9a-f]{12})\.(?P<start>\d{8}T\d{12})-(?P<nonce>[0-9a-f]{6})$"
+)
 
 
 def task_instance_key(run: RunSpec) -> str:

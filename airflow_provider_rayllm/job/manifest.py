@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from typing import Any, Mapping
 
 from airflow_provider_rayllm import __version__
+from airflow_provider_rayllm.contract import Manifest
 from airflow_provider_rayllm.job import io
 from airflow_provider_rayllm.spec import MANIFEST_LOG_PREFIX, MANIFEST_NAME, MANIFEST_VERSION, JobSpec
 
@@ -20,28 +21,28 @@ def build(
     spec: JobSpec,
     submission_id: str,
     generation: str,
-    outputs_uri: str,
-    errors_uri: str,
+    outputs_folder: str,
+    errors_folder: str,
     written: dict[str, Any],
     rows_in: int,
     rows_resumed: int,
     started_at: str,
     wall_time_s: float,
-    first_output_s: float | None,
+    timeline: dict[str, float | None],
     details: dict[str, Any],
     versions: dict[str, str],
     table_rows: int = 0,
 ) -> dict[str, Any]:
     table = spec.sink.table
-    return {
+    body = {
         "manifest_version": MANIFEST_VERSION,
         "status": "SUCCEEDED",
         "submission_id": submission_id,
         "generation": generation,
         "spec_hash": spec.content_hash(),
         "output_uri": spec.sink.uri,
-        "outputs_uri": outputs_uri,
-        "errors_uri": errors_uri,
+        "outputs_folder": outputs_folder,
+        "errors_folder": errors_folder,
         "format": spec.sink.format,
         "output_files": written["output_files"],
         "error_files": written["error_files"],
@@ -53,7 +54,8 @@ def build(
         "input_tokens": written["input_tokens"],
         "output_tokens": written["output_tokens"],
         "wall_time_s": round(wall_time_s, 3),
-        "first_output_s": first_output_s,
+        "first_output_s": timeline.get("first_output_file_s"),
+        "timeline": timeline,
         "started_at": started_at,
         "finished_at": datetime.now(timezone.utc).isoformat(),
         "kind": spec.kind,
@@ -66,6 +68,7 @@ def build(
             {"table": table.table, "run_key": table.run_key, "rows": table_rows} if table is not None else None
         ),
     }
+    return Manifest.model_validate(body).model_dump(mode="json")
 
 
 def publish(output_uri: str, body: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ class Tally:
         self.writes: dict[str, int] = {}
         self.saved_rows = 0
         self.first_answer_at: float | None = None
+        self.last_answer_at: float | None = None
         self.first_write_at: float | None = None
 
     def read(self, key: str, rows: int, skipped: int) -> None:
@@ -45,6 +46,8 @@ class Tally:
     def answered(self, key: str, rows: int, errored: int, tokens_out: int, at: float) -> None:
         if self.first_answer_at is None or at < self.first_answer_at:
             self.first_answer_at = at
+        if self.last_answer_at is None or at > self.last_answer_at:
+            self.last_answer_at = at
         self.answers[key] = (rows, errored, tokens_out)
 
     def wrote(self, key: str, files: int, at: float) -> None:
@@ -62,6 +65,7 @@ class Tally:
             "tokens_out": sum(a[2] for a in self.answers.values()),
             "files_written": sum(self.writes.values()),
             "first_answer_at": self.first_answer_at,
+            "last_answer_at": self.last_answer_at,
             "first_write_at": self.first_write_at,
         }
 
@@ -203,6 +207,20 @@ class ProgressLog:
         self._thread.join(timeout=5)
         self._report(final=True)
         return self._last or self.totals()
+
+    def timeline(self, totals: dict[str, Any], origin: float) -> dict[str, float | None]:
+        """Seconds from ``origin`` to each step the stream reported (None where it has none)."""
+
+        def since(at: float | None) -> float | None:
+            return None if at is None else round(at - origin, 3)
+
+        return {
+            "plan_started_s": since(self.started),
+            "engine_ready_s": since(self.ready_at),
+            "first_answer_s": since(totals["first_answer_at"]),
+            "first_output_file_s": since(totals["first_write_at"]),
+            "last_answer_s": since(totals["last_answer_at"]),
+        }
 
     def __exit__(self, *exc: Any) -> None:
         import ray

@@ -51,8 +51,26 @@ def _is_empty(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+def _is_image(value: Any) -> bool:
+    """A PIL image (the guide's VLM preprocess puts ``Image.open(...)`` into the message)."""
+    return all(hasattr(value, name) for name in ("save", "mode", "size", "getexif"))
+
+
+def image_data_url(image: Any) -> str:
+    """A PIL image as a PNG data: URL, which Ray's multimodal stage and OpenAI-style servers take where the
+    image goes."""
+    import base64
+    import io as _io
+
+    buffer = _io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def _jsonable(value: Any) -> Any:
-    """Numpy values from Arrow rows become plain Python for the JSON request."""
+    """Numpy values from Arrow rows become plain Python for the JSON request, and images data: URLs."""
+    if _is_image(value):
+        return image_data_url(value)
     if hasattr(value, "tolist"):
         return value.tolist()
     if isinstance(value, dict):
@@ -108,7 +126,13 @@ class LoraRouting:
         return os.path.join(self.adapters_path, name) if self.local else name
 
 
-_IMAGE_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WEBP": "image/webp", "BMP": "image/bmp"}
+_IMAGE_FORMATS = {
+    "PNG": "image/png",
+    "JPEG": "image/jpeg",
+    "GIF": "image/gif",
+    "WEBP": "image/webp",
+    "BMP": "image/bmp",
+}
 
 
 def image_url(value: Any) -> str:
@@ -204,10 +228,15 @@ class RequestBuilder:
                 text = self._text(row)
                 if p.image_column is not None:
                     url = image_url(row.get(p.image_column))
-                    messages.append({"role": "user", "content": [
-                        {"type": "image_url", "image_url": {"url": url}},
-                        {"type": "text", "text": text},
-                    ]})
+                    messages.append(
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "image_url", "image_url": {"url": url}},
+                                {"type": "text", "text": text},
+                            ],
+                        }
+                    )
                 else:
                     messages.append({"role": "user", "content": text})
             request["messages"] = messages
@@ -293,9 +322,13 @@ class IdGate:
         for row in rows:
             value = row.get(self.column)
             if _is_empty(value):
-                raise JobError(f"prompt.id_column {self.column!r}: a row has no id (value {value!r}); ids must be set and unique")
+                raise JobError(
+                    f"prompt.id_column {self.column!r}: a row has no id (value {value!r}); ids must be set and unique"
+                )
             if value in self.seen:
-                raise JobError(f"prompt.id_column {self.column!r} must be unique per row: {value!r} appears more than once")
+                raise JobError(
+                    f"prompt.id_column {self.column!r} must be unique per row: {value!r} appears more than once"
+                )
             self.seen.add(value)
             if value not in self.saved:
                 kept.append(row)

@@ -174,7 +174,14 @@ def run(spec: UploadJobSpec, submission_id: str) -> dict[str, Any]:
 
 
 def _manifest(
-    spec: UploadJobSpec, submission_id: str, content: list[dict], total: int, *, skipped: bool, uploaded: int, started: float
+    spec: UploadJobSpec,
+    submission_id: str,
+    content: list[dict],
+    total: int,
+    *,
+    skipped: bool,
+    uploaded: int,
+    started: float,
 ) -> dict[str, Any]:
     return {
         "manifest_version": 1,

@@ -80,7 +80,13 @@ class Shaper:
             return Shaped(None, f"unreadable answer: {type(exc).__name__}: {exc}", 0, 0)
         user = self.postprocess()
         if user is None:
-            output = {**stash, self.output_column: value, **extra, OUTPUT_TOKENS_IN: tokens_in, OUTPUT_TOKENS_OUT: tokens_out}
+            output = {
+                **stash,
+                self.output_column: value,
+                **extra,
+                OUTPUT_TOKENS_IN: tokens_in,
+                OUTPUT_TOKENS_OUT: tokens_out,
+            }
             return Shaped(output, "", tokens_in, tokens_out)
         try:
             result = user(self.view(row, stash, value))

@@ -98,7 +98,13 @@ class HttpCaller:
             message = f"HTTP {result.status}: {result.error}" if result.status else result.error
             return "", result.status or 0, result.attempts, message, 0
         body = result.body or {}
-        return json.dumps(body), result.status, result.attempts, "", count((body.get("usage") or {}).get("completion_tokens"))
+        return (
+            json.dumps(body),
+            result.status,
+            result.attempts,
+            "",
+            count((body.get("usage") or {}).get("completion_tokens")),
+        )
 
     async def _batch(self, requests: Any, errors: Any) -> list[tuple[str, int, int, str, int]]:
         return await asyncio.gather(*(self._row(str(r), str(e)) for r, e in zip(requests, errors)))
@@ -133,10 +139,21 @@ class HttpShaper(Shaper):
         body = json.loads(row[RESPONSE])
         usage = body.get("usage") or {}
         value = extract(body, self.endpoint)
-        return value, count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")), {"attempts": count(row.get("attempts"))}
+        extra: dict[str, Any] = {"attempts": count(row.get("attempts"))}
+        choices = body.get("choices") or []
+        if len(choices) > 1:  # n > 1: every sample is kept, the first also as the output column
+            extra["samples"] = [c["message"]["content"] if "message" in c else c.get("text") for c in choices]
+        if choices and choices[0].get("logprobs") is not None:
+            extra["logprobs"] = choices[0]["logprobs"]
+        return value, count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")), extra
 
     def view(self, row: dict[str, Any], stash: dict[str, Any], value: Any) -> dict[str, Any]:
-        return {**stash, "http_response": json.loads(row[RESPONSE]), "http_status": count(row.get("http_status")), self.output_column: value}
+        return {
+            **stash,
+            "http_response": json.loads(row[RESPONSE]),
+            "http_status": count(row.get("http_status")),
+            self.output_column: value,
+        }
 
 
 class HttpEngine(Engine):
@@ -183,7 +200,10 @@ class HttpEngine(Engine):
         return column_sum(TOKENS_OUT)
 
     def details(self, totals: dict[str, Any]) -> dict[str, Any]:
-        return {"endpoint": self.http.url, "estimated_cost": cost(self.http, totals["input_tokens"], totals["output_tokens"])}
+        return {
+            "endpoint": self.http.url,
+            "estimated_cost": cost(self.http, totals["input_tokens"], totals["output_tokens"]),
+        }
 
     def versions(self) -> dict[str, str]:
         import aiohttp

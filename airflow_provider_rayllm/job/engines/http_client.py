@@ -160,7 +160,14 @@ class EndpointClient:
                 last = exc.last_attempt.exception()
                 status = getattr(last, "status", 0)
                 reason = getattr(last, "reason", None) or f"{type(last).__name__}: {last}"
-                return CallResult(False, None, status, f"gave up after {attempts} attempt(s): {reason}", attempts, time.monotonic() - started)
+                return CallResult(
+                    False,
+                    None,
+                    status,
+                    f"gave up after {attempts} attempt(s): {reason}",
+                    attempts,
+                    time.monotonic() - started,
+                )
             except aiohttp.ClientPayloadError as exc:
                 return CallResult(False, None, 200, str(exc), attempts, time.monotonic() - started)
         if "__error__" in body:

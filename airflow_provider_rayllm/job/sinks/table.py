@@ -125,9 +125,11 @@ def write(files: list[str], dialect: str, table: str, run_key: str, generation: 
             conn.rollback()  # a failed probe aborts PostgreSQL's transaction
         if existing is None:
             definitions = ", ".join(
-                [f"{quote(RUN_KEY_COLUMN, dialect)} TEXT",
-                 f"{quote(GENERATION_COLUMN, dialect)} TEXT",
-                 *(f"{quote(n, dialect)} {sql_type(t, dialect)}" for n, t in zip(schema_names, types))]
+                [
+                    f"{quote(RUN_KEY_COLUMN, dialect)} TEXT",
+                    f"{quote(GENERATION_COLUMN, dialect)} TEXT",
+                    *(f"{quote(n, dialect)} {sql_type(t, dialect)}" for n, t in zip(schema_names, types)),
+                ]
             )
             cur.execute(f"CREATE TABLE {table_sql} ({definitions})")
         else:
@@ -153,7 +155,9 @@ def write(files: list[str], dialect: str, table: str, run_key: str, generation: 
         raise
     except Exception as exc:
         conn.rollback()
-        raise JobError(f"output_table {table!r}: {type(exc).__name__}: {str(exc).strip()} (nothing was written)") from None
+        raise JobError(
+            f"output_table {table!r}: {type(exc).__name__}: {str(exc).strip()} (nothing was written)"
+        ) from None
     finally:
         conn.close()
     return written

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.spec import JobSpec, SqlSource
+from airflow_provider_rayllm.spec import JobSpec, RowsSource, SqlSource
 
 
 @dataclass
@@ -22,7 +22,14 @@ class Input:
 
 def open_input(spec: JobSpec) -> Input:
     source = spec.source
-    if isinstance(source, SqlSource):
+    if isinstance(source, RowsSource):
+        import ray.data
+
+        columns = list(dict.fromkeys(k for row in source.rows for k in row))
+        where, has_rows = "input_rows", bool(source.rows)
+        description = f"{len(source.rows)} row(s) given with the task, columns {columns}"
+        ds = ray.data.from_items(source.rows)
+    elif isinstance(source, SqlSource):
         from airflow_provider_rayllm.job.sources import sql
 
         columns, has_rows = sql.probe(source)

@@ -34,7 +34,9 @@ def connect(dialect: str, env_name: str = SQL_URI_ENV) -> Any:
         # SQLite has no hash function (nor CONCAT before 3.44) for Ray's sharded reads: ours.
         conn.create_function(SQLITE_SHARD_HASH, 1, _stable_hash, deterministic=True)
         if sqlite3.sqlite_version_info < (3, 44):
-            conn.create_function("CONCAT", -1, lambda *parts: "".join("" if p is None else str(p) for p in parts), deterministic=True)
+            conn.create_function(
+                "CONCAT", -1, lambda *parts: "".join("" if p is None else str(p) for p in parts), deterministic=True
+            )
         return conn
     if dialect == "mysql":
         import pymysql
