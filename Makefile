@@ -11,6 +11,8 @@ demo: setup
 	$(PY) -m airflow_provider_rayllm.local demo
 
 test: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest tests -m "not gpu" -v -p no:cacheprovider --timeout=1800 -ra --durations=30
 
 test-unit: setup

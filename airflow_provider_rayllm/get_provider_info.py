@@ -22,6 +22,10 @@ def get_provider_info() -> dict:
                 ],
             },
         ],
+        "task-decorators": [
+            {"name": "vllm_batch", "class-name": "airflow_provider_rayllm.decorators.vllm_batch_task"},
+            {"name": "http_llm_batch", "class-name": "airflow_provider_rayllm.decorators.http_llm_batch_task"},
+        ],
         "hooks": [{"integration-name": "Ray", "python-modules": ["airflow_provider_rayllm.hooks.ray_job"]}],
         "triggers": [{"integration-name": "Ray", "python-modules": ["airflow_provider_rayllm.triggers.ray_job"]}],
         "extra-links": ["airflow_provider_rayllm.links.RayJobLink", "airflow_provider_rayllm.links.OutputLink"],

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from airflow.models.taskinstancekey import TaskInstanceKey
     from airflow.sdk import BaseOperator
 
-OUTPUT_URL_XCOM = "output_url"
+OUTPUT_URL_XCOM = "output_console_url"
 
 
 class RayJobLink(BaseOperatorLink):

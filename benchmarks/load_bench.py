@@ -90,9 +90,15 @@ def main() -> int:
             for i in range(args.operators):
                 data = [{"id": j, "prompt": f"job {i} row {j}"} for j in range(args.rows)]
                 op = HttpLLMBatchOperator(
-                    task_id=f"load_{i:02d}", ray_conn_id="ray_load", http_conn_id="llm_load", model="echo",
-                    input_uri=write_jsonl(home / "in" / f"{i}.jsonl", data), output_uri=str(home / "out" / str(i)),
-                    prompt_column="prompt", deferrable=True, poll_interval=args.poll_interval,
+                    task_id=f"load_{i:02d}",
+                    ray_conn_id="ray_load",
+                    http_conn_id="llm_load",
+                    model="echo",
+                    input_uri=write_jsonl(home / "in" / f"{i}.jsonl", data),
+                    output_uri=str(home / "out" / str(i)),
+                    prompt_column="prompt",
+                    deferrable=True,
+                    poll_interval=args.poll_interval,
                     entrypoint_resources={DRIVER_RESOURCE: 1},
                 )
                 ti = StandInTI("load_bench", "manual__load", op.task_id)

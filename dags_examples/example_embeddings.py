@@ -23,7 +23,12 @@ with DAG(
         "model_source": Param(embed_model(), type="string", description="An embedding model"),
         "input_uri": Param(str(DEMO_SENTENCES), type="string", description="Rows with a 'text' column"),
         "engine_kwargs": Param(
-            {"enable_prefix_caching": False, "enable_chunked_prefill": False, "max_model_len": 256, "enforce_eager": True},
+            {
+                "enable_prefix_caching": False,
+                "enable_chunked_prefill": False,
+                "max_model_len": 256,
+                "enforce_eager": True,
+            },
             type="object",
             description="vLLM engine arguments (e.g. tensor_parallel_size: 2 splits MiniLM's 12 heads over two workers)",
         ),

@@ -23,7 +23,9 @@ with DAG(
     catchup=False,
     tags=["rayllm", "example", "vision"],
     params={
-        "model_source": Param(str(DEMO_VLM), type="string", description="A vision-language model: HF id, cluster path or bucket URI"),
+        "model_source": Param(
+            str(DEMO_VLM), type="string", description="A vision-language model: HF id, cluster path or bucket URI"
+        ),
         "input_uri": Param(str(DEMO_IMAGES), type="string", description="Rows with 'question' and 'image' columns"),
     },
     render_template_as_native_obj=True,

@@ -93,7 +93,11 @@ def quickstart_run(ray_conn, airflow_db, smollm2) -> dict:
     dag = load_dag("dags_examples", "example_vllm_batch", "example_vllm_batch")
     conf = {"model_source": str(smollm2), "max_tokens": 24, "engine_kwargs": REPRODUCIBLE_ENGINE}
     dag_run = dag.test(logical_date=utc(2026, 3, 2), run_conf=conf)
-    manifest = xcom(dag.dag_id, dag_run.run_id, "answer", "return_value") if task_state(dag_run, "answer") == "success" else None
+    manifest = (
+        xcom(dag.dag_id, dag_run.run_id, "answer", "return_value")
+        if task_state(dag_run, "answer") == "success"
+        else None
+    )
     rows = read_rows(manifest["output_files"]) if manifest else []
     return {"dag_run": dag_run, "state": task_state(dag_run, "answer"), "manifest": manifest, "rows": rows}
 

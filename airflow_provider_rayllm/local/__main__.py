@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             node = cluster.add_node(num_cpus=args.worker_cpus)
             print(f"worker raylet: {node['num_cpus']} CPUs, temp dir {node['temp_dir']}")
         print(f"Ray Jobs API: {info.dashboard_url}  GCS: {info.gcs_address}  token file: {info.token_file}")
-        print("Airflow connection: export AIRFLOW_CONN_RAY_DEFAULT=\"$(python -m airflow_provider_rayllm.local conn)\"")
+        print('Airflow connection: export AIRFLOW_CONN_RAY_DEFAULT="$(python -m airflow_provider_rayllm.local conn)"')
     elif args.command == "stop":
         cluster.stop()
     elif args.command == "restart":

@@ -59,7 +59,7 @@ def run_demo(work: Path = WORK) -> dict:
     rows.sort(key=lambda r: r.get("id", 0))
     for row in rows[:5]:
         print(f"Q: {row['prompt']}\nA: {row['response'].strip()}\n", flush=True)
-    _say(f"demo finished in {time.time() - started:.0f} s; outputs under {manifest['outputs_uri']}")
+    _say(f"demo finished in {time.time() - started:.0f} s; outputs under {manifest['outputs_folder']}")
     return manifest
 
 

@@ -141,21 +141,36 @@ def tiny_vlm_path(models_dir: Path = MODELS_DIR) -> Path:
     )
     tokenizer.chat_template = _VLM_TEMPLATE
     # head_dim 64: vLLM's CPU attention refuses smaller heads.
-    vision = Idefics3VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1, image_size=64, patch_size=16)
+    vision = Idefics3VisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1, image_size=64, patch_size=16
+    )
     text = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     config = Idefics3Config(
-        vision_config=vision.to_dict(), text_config=text.to_dict(),
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), scale_factor=2,
+        vision_config=vision.to_dict(),
+        text_config=text.to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
     )
     torch.manual_seed(0)
     model = Idefics3ForConditionalGeneration(config).to(torch.float32)
-    image_processor = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 64}, max_image_size={"longest_edge": 64})
+    image_processor = Idefics3ImageProcessorPil(
+        do_image_splitting=False, size={"longest_edge": 64}, max_image_size={"longest_edge": 64}
+    )
     # 64 px / 16 px patches = 16 patches, merged 2 x 2 by the connector: 4 image tokens.
-    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=_VLM_TEMPLATE)
+    processor = Idefics3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=_VLM_TEMPLATE
+    )
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

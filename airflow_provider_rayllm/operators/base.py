@@ -1,11 +1,15 @@
-"""What every batch operator shares: submit or re-attach, wait (deferred or not), publish the manifest.
+"""What every operator of this package shares: declared arguments, submit or re-attach, wait (deferred or
+not), read the manifest.
 
-A subclass only turns its rendered arguments into a job spec (``spec_body``).
+An operator lists its argument groups (``arguments.py``) in ``arguments``; its ``__init__``,
+``template_fields`` and renderers are made from that list here. A subclass turns its rendered arguments
+into a job spec (``spec_body``) and says what it pushes when the job succeeded (``publish``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -13,21 +17,16 @@ import tempfile
 import time
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from airflow.sdk import BaseOperator, conf
 
-from airflow_provider_rayllm.contract import (
-    SECRETS_FILE,
-    SETUP_HOOK,
-    SINK_SQL_URI_ENV,
-    SQL_URI_ENV,
-    describe_progress,
-    parse_progress,
-)
+from airflow_provider_rayllm import arguments as args_mod
+from airflow_provider_rayllm.arguments import Argument
+from airflow_provider_rayllm.contract import SECRETS_FILE, SETUP_HOOK, SPEC_FILE, describe_progress, parse_progress
 from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayLLMError
 from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, OutageClock, RayJobHook, lost_message
-from airflow_provider_rayllm.links import OUTPUT_URL_XCOM, OutputLink, RayJobLink, output_browser_url
+from airflow_provider_rayllm.links import RayJobLink
 from airflow_provider_rayllm.operators import credentials
 from airflow_provider_rayllm.spec import (
     ERROR_LOG_PREFIX,
@@ -35,6 +34,7 @@ from airflow_provider_rayllm.spec import (
     AnySpec,
     RunSpec,
     SpecError,
+    format_validation_error,
     uri_scheme,
     validate_body,
 )
@@ -43,31 +43,66 @@ from airflow_provider_rayllm.triggers.ray_job import RayJobTrigger
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-ENTRYPOINT = "python -m airflow_provider_rayllm.job spec.json"
+ENTRYPOINT = f"python -m airflow_provider_rayllm.job {SPEC_FILE}"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MAX_GENERATIONS = 100
 METADATA_OUTPUT_URI = "rayllm_output_uri"
 METADATA_CLEAR_NUMBER = "airflow_clear_number"
 
-# Spec paths shown as the operator argument a user wrote; other sections' fields keep their own names.
-_ARG_NAMES = {
-    "source.uris": "input_uri",
-    "source.format": "input_format",
-    "source.columns": "input_columns",
-    "sink.uri": "output_uri",
-    "sink.format": "output_format",
-    "sink.rows_per_file": "output_rows_per_file",
-    "prompt.template": "prompt_template",
-}
+_BASE_OPERATOR_ARGS = frozenset(p for p in inspect.signature(BaseOperator.__init__).parameters if p != "self")
 
 
-def user_field(path: str) -> str:
-    """'processor.batch_size' -> 'batch_size'; 'source.uris.0' -> 'input_uri.0'."""
-    for spec_path, arg in _ARG_NAMES.items():
-        if path == spec_path or path.startswith(spec_path + "."):
-            return arg + path[len(spec_path) :]
-    section, _, rest = path.partition(".")
-    return rest if rest and section in {"processor", "prompt", "limits", "source", "sink"} else path
+def _declared_init(cls: type, declared: Sequence[Argument]) -> Any:
+    """``__init__`` for an operator that takes ``declared`` (keyword only) plus BaseOperator's arguments; the
+    signature is real, so Airflow's default_args and task mapping see every argument."""
+
+    def __init__(self: BaseOperator, **kwargs: Any) -> None:
+        kwargs_names = set(kwargs)
+        values = {}
+        for argument in declared:
+            if argument.name in kwargs:
+                values[argument.attr] = kwargs.pop(argument.name)
+            elif argument.required:
+                raise TypeError(
+                    f"{cls.__name__} (task_id {kwargs.get('task_id')!r}): missing argument {argument.name!r}"
+                )
+            else:
+                values[argument.attr] = argument.fresh_default()
+        for name in kwargs:
+            if name not in _BASE_OPERATOR_ARGS:
+                raise TypeError(unknown_argument(cls.__name__, name))
+        given = frozenset(a.name for a in declared if a.attr in values and a.name in kwargs_names)
+        BaseOperator.__init__(self, **kwargs)
+        for attr, value in values.items():
+            setattr(self, attr, value)
+        self.arguments_given = given  # what the DAG said, as opposed to defaults
+        self._submission_id = None
+
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [
+        inspect.Parameter(
+            a.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=inspect.Parameter.empty if a.required else a.signature_default(),
+        )
+        for a in declared
+    ]
+    params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
+    __init__.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    __init__.__qualname__ = f"{cls.__name__}.__init__"
+    return __init__
+
+
+def unknown_argument(operator: str, name: str) -> str:
+    """An argument this operator does not take, and which operator does."""
+    takers = [
+        kind for kind, label in _OPERATORS.items() if any(a.name == name for a in args_mod.operator_arguments(kind))
+    ]
+    hint = f"; it is an argument of {', '.join(_OPERATORS[k] for k in takers)}" if takers else ""
+    return f"{operator} got an unexpected argument {name!r}{hint}"
+
+
+_OPERATORS = {"vllm": "VLLMBatchOperator", "http": "HttpLLMBatchOperator", "upload": "ModelUploadOperator"}
 
 
 def _safe(part: Any) -> str:
@@ -97,56 +132,25 @@ def submission_base_id(dag_id: str, run_id: str, task_id: str, map_index: int, s
     return f"rayllm-{readable}-{digest}"
 
 
-class RayLLMBatchBaseOperator(BaseOperator):
-    """Base for operators that run one batch job on Ray and return its manifest."""
+class RayJobOperator(BaseOperator):
+    """Runs one job of this package on Ray and returns its manifest."""
 
-    operator_extra_links = (RayJobLink(), OutputLink())
+    arguments: ClassVar[tuple[Argument, ...]] = args_mod.JOB
+    operator_extra_links = (RayJobLink(),)
     ui_color = "#e0f0ff"
 
-    def __init__(
-        self,
-        *,
-        ray_conn_id: str = RayJobHook.default_conn_name,
-        output_uri: str | None = None,
-        output_format: str = "parquet",
-        output_rows_per_file: int | None = None,
-        max_error_fraction: float = 0.1,
-        max_rows: int | None = None,
-        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
-        poll_interval: float = 5.0,
-        unreachable_timeout: float = 600.0,
-        job_runtime_env: dict[str, Any] | None = None,
-        ship_package: bool = True,
-        aws_conn_id: str | None = None,
-        gcp_conn_id: str | None = None,
-        output_table: str | None = None,
-        output_table_conn_id: str | None = None,
-        hf_conn_id: str | None = None,
-        entrypoint_num_cpus: float | None = None,
-        entrypoint_resources: dict[str, float] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.ray_conn_id = ray_conn_id
-        self.output_uri = output_uri
-        self.output_format = output_format
-        self.output_rows_per_file = output_rows_per_file
-        self.max_error_fraction = max_error_fraction
-        self.max_rows = max_rows
-        self.deferrable = deferrable
-        self.poll_interval = poll_interval
-        self.unreachable_timeout = unreachable_timeout
-        self.job_runtime_env = job_runtime_env
-        self.ship_package = ship_package
-        self.aws_conn_id = aws_conn_id
-        self.gcp_conn_id = gcp_conn_id
-        self.output_table = output_table
-        self.output_table_conn_id = output_table_conn_id
-        self.hf_conn_id = hf_conn_id
-        # What the job's driver reserves on the cluster; with a custom resource the cluster queues drivers.
-        self.entrypoint_num_cpus = entrypoint_num_cpus
-        self.entrypoint_resources = entrypoint_resources
-        self._submission_id: str | None = None
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "arguments" in cls.__dict__:
+            cls.template_fields = tuple(a.attr for a in cls.arguments if a.templated)
+            cls.template_fields_renderers = {a.attr: a.renderer for a in cls.arguments if a.templated and a.renderer}
+            cls.__init__ = _declared_init(cls, cls.arguments)  # type: ignore[method-assign]
+
+    @property
+    def waits_deferred(self) -> bool:
+        if self.deferrable is None:
+            return conf.getboolean("operators", "default_deferrable", fallback=False)
+        return bool(self.deferrable)
 
     @cached_property
     def hook(self) -> RayJobHook:
@@ -154,8 +158,24 @@ class RayLLMBatchBaseOperator(BaseOperator):
 
     # --- subclass contract ----------------------------------------------------------------------
     def spec_body(self, context: Context, output_uri: str, package_dir: Path) -> dict[str, Any]:
-        """The spec as a dict (without ``run`` and ``sink``); may write files (pickled callables) into package_dir."""
+        """The spec as a dict (without ``run``); may write files (pickled callables) into package_dir."""
         raise NotImplementedError
+
+    def publish(self, context: Context, manifest: dict[str, Any]) -> None:
+        """What the task pushes and says once the job succeeded."""
+        raise NotImplementedError
+
+    def section(self, name: str) -> dict[str, Any]:
+        """The rendered arguments that go into one section of the spec, under the spec's field names."""
+        return {a.path[1]: getattr(self, a.attr) for a in self.arguments if a.path and a.path[0] == name}
+
+    def user_field(self, path: str) -> str:
+        """A spec path as the argument the user wrote: 'source.uris.0' -> 'input_uri.0'."""
+        parts = path.split(".")
+        for a in self.arguments:
+            if a.path and len(parts) >= 2 and parts[1] == a.path[1] and (parts[0] == a.path[0] or parts[0] == "source"):
+                return ".".join([a.name, *parts[2:]])
+        return path
 
     # --- spec -----------------------------------------------------------------------------------
     def _run_spec(self, context: Context) -> RunSpec:
@@ -183,22 +203,19 @@ class RayLLMBatchBaseOperator(BaseOperator):
 
     def build_spec(self, context: Context, package_dir: Path) -> AnySpec:
         run = self._run_spec(context)
-        output_uri = self.resolve_output_uri(run)
         try:
-            body = self.spec_body(context, output_uri, package_dir)
-            if body.get("kind") != "upload":
-                body["sink"] = self.sink_body(output_uri, run)
+            body = self.spec_body(context, self.resolve_output_uri(run), package_dir)
         except SpecError as exc:
             raise InvalidSpec(f"{self.task_id}: {exc}") from None
         body["run"] = run.model_dump()
         from pydantic import ValidationError
 
-        from airflow_provider_rayllm.spec import format_validation_error
-
         try:
             return validate_body(body)
         except ValidationError as exc:
-            raise InvalidSpec(f"{self.task_id}: invalid settings: {format_validation_error(exc, user_field)}") from None
+            raise InvalidSpec(
+                f"{self.task_id}: invalid settings: {format_validation_error(exc, self.user_field)}"
+            ) from None
 
     # --- submit / attach ------------------------------------------------------------------------
     def _resolve_generation(self, base_id: str, clear_number: int = 0) -> tuple[str, str]:
@@ -235,20 +252,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
             env.update(credentials.gcp_env(self.gcp_conn_id))
         if self.hf_conn_id:
             env.update(credentials.hf_env(self.hf_conn_id))
-        if self.output_table and self.output_table_conn_id:
-            _, uri = credentials.sql_source(self.output_table_conn_id)
-            env[SINK_SQL_URI_ENV] = uri[SQL_URI_ENV]
         return env
-
-    def sink_body(self, output_uri: str, run: RunSpec) -> dict[str, Any]:
-        sink: dict[str, Any] = {"uri": output_uri, "format": self.output_format, "rows_per_file": self.output_rows_per_file}
-        if self.output_table:
-            if not self.output_table_conn_id:
-                raise SpecError("output_table needs output_table_conn_id, the Airflow connection of the database")
-            dialect, _ = credentials.sql_source(self.output_table_conn_id)
-            run_key = f"{run.dag_id}/{run.run_id}/{run.task_id}/{run.map_index}"
-            sink["table"] = {"table": self.output_table, "dialect": dialect, "run_key": run_key}
-        return sink
 
     def _runtime_env(self, package_dir: Path) -> dict[str, Any]:
         env = dict(self.job_runtime_env or {})
@@ -262,7 +266,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
         return env
 
     def _submit(self, submission_id: str, spec: AnySpec, package_dir: Path) -> None:
-        (package_dir / "spec.json").write_text(spec.to_json())
+        (package_dir / SPEC_FILE).write_text(spec.to_json())
         secrets = self.job_secrets()
         if secrets:
             path = package_dir / SECRETS_FILE
@@ -310,7 +314,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
         self._submission_id = submission_id
         context["ti"].xcom_push(key="ray_job_url", value=self.hook.settings.dashboard_job_url(submission_id))
         context["ti"].xcom_push(key="submission_id", value=submission_id)
-        if self.deferrable:
+        if self.waits_deferred:
             self.defer(
                 trigger=RayJobTrigger(
                     submission_id=submission_id,
@@ -385,8 +389,7 @@ class RayLLMBatchBaseOperator(BaseOperator):
             detail = f": {error}" if error else ""
             raise RayJobFailed(f"Ray job {submission_id} ended {status}{detail} (Ray: {message})")
         manifest = self._read_manifest(submission_id)
-        self._publish(context, manifest)
-        self._annotate_outlets(context, manifest)
+        self.publish(context, manifest)
         self._report_lineage(manifest)
         return manifest
 
@@ -412,47 +415,6 @@ class RayLLMBatchBaseOperator(BaseOperator):
         except Exception as exc:  # lineage never fails a task
             self.log.warning("lineage not reported: %s", exc)
 
-    def _annotate_outlets(self, context: Context, manifest: dict[str, Any]) -> None:
-        """Each declared outlet asset's event carries where this run's output is (URIs and figures only)."""
-        events = context.get("outlet_events")
-        if events is None or not self.outlets:  # (an empty accessor mapping is falsy but usable)
-            return
-        extra = {
-            "output_uri": manifest.get("outputs_uri") or manifest.get("output_uri"),
-            "manifest_uri": manifest.get("output_uri"),
-            "submission_id": manifest.get("submission_id"),
-            "rows_out": manifest.get("rows_out"),
-            "rows_errored": manifest.get("rows_errored"),
-        }
-        for outlet in self.outlets or []:
-            try:
-                events[outlet].extra.update({k: v for k, v in extra.items() if v is not None})
-            except (KeyError, TypeError, AttributeError) as exc:
-                self.log.debug("outlet %r takes no event extra: %s", outlet, exc)
-
-    def _publish(self, context: Context, manifest: dict[str, Any]) -> None:
-        """Push the output location and say what the job did (batch jobs; the upload operator overrides)."""
-        context["ti"].xcom_push(key="output_uri", value=manifest["outputs_uri"])
-        try:
-            secrets = self.job_secrets()
-        except Exception:  # a link is a courtesy
-            secrets = {}
-        custom = any(k in secrets for k in ("AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST"))
-        url = output_browser_url(manifest["outputs_uri"], custom_endpoint=custom)
-        if url:
-            context["ti"].xcom_push(key=OUTPUT_URL_XCOM, value=url)
-        self.log.info(
-            "Published %s: %d rows in, %d out, %d errors; tokens in/out %d/%d",
-            manifest["output_uri"],
-            manifest["rows_in"],
-            manifest["rows_out"],
-            manifest["rows_errored"],
-            manifest["input_tokens"],
-            manifest["output_tokens"],
-        )
-        if manifest["rows_errored"]:
-            self.log.warning("%d error rows are in %s", manifest["rows_errored"], manifest["errors_uri"])
-
     def _read_manifest(self, submission_id: str) -> dict[str, Any]:
         """The published manifest; it must be this submission's (a stale one is never returned)."""
         info = self.hook.get_job_info(submission_id) or {}
@@ -460,11 +422,13 @@ class RayLLMBatchBaseOperator(BaseOperator):
         manifest: dict[str, Any] | None = None
         if output_uri:
             try:
-                from airflow_provider_rayllm.job import manifest as manifest_io
+                from airflow_provider_rayllm.storage import read_manifest
 
-                manifest = manifest_io.read(output_uri, {**os.environ, **self.job_secrets()})
+                manifest = read_manifest(output_uri, {**os.environ, **self.job_secrets()})
             except Exception as exc:  # e.g. a path only the cluster can see
-                self.log.info("Manifest at %s not readable from this worker (%s); using the job log copy", output_uri, exc)
+                self.log.info(
+                    "Manifest at %s not readable from this worker (%s); using the job log copy", output_uri, exc
+                )
         if manifest is None or manifest.get("submission_id") != submission_id:
             logs = self.hook.get_job_logs(submission_id)
             lines = [line for line in logs.splitlines() if line.startswith(MANIFEST_LOG_PREFIX)]
@@ -485,7 +449,9 @@ class RayLLMBatchBaseOperator(BaseOperator):
             submission_id = ti.xcom_pull(task_ids=ti.task_id, key="submission_id", map_indexes=ti.map_index)
             if submission_id:
                 self._submission_id = str(submission_id)
-                self.log.error("The deferred wait ended without the job's result (%s)", (next_kwargs or {}).get("error"))
+                self.log.error(
+                    "The deferred wait ended without the job's result (%s)", (next_kwargs or {}).get("error")
+                )
                 self.on_kill()
         return super().resume_execution(next_method, next_kwargs, context)
 

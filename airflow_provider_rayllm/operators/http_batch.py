@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseHook
 
-from airflow_provider_rayllm.contract import HTTP_API_KEY_ENV as API_KEY_ENV
+from airflow_provider_rayllm import arguments
+from airflow_provider_rayllm.contract import HTTP_API_KEY_ENV
 from airflow_provider_rayllm.exceptions import InvalidSpec
-from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
+from airflow_provider_rayllm.operators.batch import BatchOperator
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -36,7 +37,7 @@ def endpoint_from_connection(conn_id: str) -> tuple[str, str | None]:
     return base.rstrip("/"), key
 
 
-class HttpLLMBatchOperator(VLLMBatchOperator):
+class HttpLLMBatchOperator(BatchOperator):
     """Send every row to an OpenAI-compatible endpoint from a Ray job; return the manifest.
 
     The endpoint's base URL and API key come from ``http_conn_id`` only: no templated argument can
@@ -47,81 +48,21 @@ class HttpLLMBatchOperator(VLLMBatchOperator):
     retries on 408/429/5xx honouring Retry-After with jittered exponential backoff.
     """
 
-    template_fields: Sequence[str] = (
-        "input_uri",
-        "sql",
-        "output_uri",
-        "output_table",
-        "model",
-        "prompt_column",
-        "prompt_template",
-        "messages_column",
-        "system_prompt",
-        "sampling_params",
-        "max_rows",
-        "max_in_flight",
-        "qps",
-    )
-
-    def __init__(
-        self,
-        *,
-        model: str,
-        http_conn_id: str = "llm_endpoint_default",
-        endpoint: str = "chat/completions",
-        concurrency: int = 1,
-        batch_size: int = 256,
-        max_in_flight: int = 64,
-        qps: float | None = None,
-        max_retries: int = 6,
-        max_total_wait_s: float = 300.0,
-        timeout_s: float = 120.0,
-        price_per_1k_input_tokens: float | None = None,
-        price_per_1k_output_tokens: float | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(model_source=model, concurrency=concurrency, batch_size=batch_size, **kwargs)
-        self.model = model
-        self.http_conn_id = http_conn_id
-        self.endpoint = endpoint
-        self.max_in_flight = max_in_flight
-        self.qps = qps
-        self.max_retries = max_retries
-        self.max_total_wait_s = max_total_wait_s
-        self.timeout_s = timeout_s
-        self.price_per_1k_input_tokens = price_per_1k_input_tokens
-        self.price_per_1k_output_tokens = price_per_1k_output_tokens
+    arguments = arguments.operator_arguments("http")
 
     def job_secrets(self) -> dict[str, str]:
         env = super().job_secrets()
         _, key = endpoint_from_connection(self.http_conn_id)
         if key:
-            env[API_KEY_ENV] = key
+            env[HTTP_API_KEY_ENV] = key
         return env
 
     def spec_body(self, context: Context, output_uri: str, package_dir: Path) -> dict[str, Any]:
-        if self.serve_deployment:
-            raise InvalidSpec(f"{self.task_id}: serve_deployment is a VLLMBatchOperator setting; this operator calls http_conn_id")
-        body = super().spec_body(context, output_uri, package_dir)
         base_url, _ = endpoint_from_connection(self.http_conn_id)
-        body["kind"] = "http"
-        body.pop("processor")
-        body["http"] = {
-            "base_url": base_url,
-            "endpoint": self.endpoint,
-            "model": self.model,
-            "concurrency": self.concurrency,
-            "batch_size": self.batch_size,
-            "max_in_flight": self.max_in_flight,
-            "qps": self.qps,
-            "max_retries": self.max_retries,
-            "max_total_wait_s": self.max_total_wait_s,
-            "timeout_s": self.timeout_s,
-            "price_per_1k_input_tokens": self.price_per_1k_input_tokens,
-            "price_per_1k_output_tokens": self.price_per_1k_output_tokens,
-        }
+        body = self.batch_body(
+            "http", {"http": {**self.section("http"), "base_url": base_url}}, output_uri, package_dir, context
+        )
         # Embeddings take plain text; chat and completions take the built messages.
         if self.endpoint == "embeddings":
             body["prompt"]["sampling_params"] = {}
         return body
-

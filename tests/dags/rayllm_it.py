@@ -64,8 +64,13 @@ with DAG(
     dag_id="rayllm_it_http",
     start_date=datetime(2026, 1, 1),
     schedule=None,
-    params={**PARAMS, "model": Param("smollm2", type="string"), "qps": Param(None, type=["null", "number"]),
-            "max_in_flight": Param(16, type="integer"), "concurrency": Param(1, type="integer")},
+    params={
+        **PARAMS,
+        "model": Param("smollm2", type="string"),
+        "qps": Param(None, type=["null", "number"]),
+        "max_in_flight": Param(16, type="integer"),
+        "concurrency": Param(1, type="integer"),
+    },
     render_template_as_native_obj=True,
 ) as rayllm_it_http:
     HttpLLMBatchOperator(

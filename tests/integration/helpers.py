@@ -51,7 +51,10 @@ def xcom(dag_id: str, run_id: str, task_id: str, key: str) -> Any:
     with create_session() as session:
         row = session.scalars(
             select(XComModel).where(
-                XComModel.dag_id == dag_id, XComModel.run_id == run_id, XComModel.task_id == task_id, XComModel.key == key
+                XComModel.dag_id == dag_id,
+                XComModel.run_id == run_id,
+                XComModel.task_id == task_id,
+                XComModel.key == key,
             )
         ).first()
         if row is None:
@@ -74,14 +77,24 @@ def task_state(dag_run: Any, task_id: str) -> str:
 
 
 def jobs_with_prefix(hook: Any, prefix: str) -> list[dict[str, Any]]:
-    return [j.dict() if hasattr(j, "dict") else j for j in hook.client.list_jobs() if (j.submission_id or "").startswith(prefix)]
+    return [
+        j.dict() if hasattr(j, "dict") else j
+        for j in hook.client.list_jobs()
+        if (j.submission_id or "").startswith(prefix)
+    ]
 
 
 class StandInTI:
     """The parts of a task instance the operator uses, for driving execute() from a thread."""
 
     def __init__(self, dag_id: str, run_id: str, task_id: str, map_index: int = -1, try_number: int = 1):
-        self.dag_id, self.run_id, self.task_id, self.map_index, self.try_number = dag_id, run_id, task_id, map_index, try_number
+        self.dag_id, self.run_id, self.task_id, self.map_index, self.try_number = (
+            dag_id,
+            run_id,
+            task_id,
+            map_index,
+            try_number,
+        )
         self.xcom: dict[str, Any] = {}
 
     def xcom_push(self, key: str, value: Any) -> None:
@@ -147,7 +160,9 @@ def cpus_in_use(info: Any) -> tuple[float, float]:
     """(CPUs in use, CPUs in all) on the cluster, as its autoscaler report counts them."""
     import urllib.request
 
-    request = urllib.request.Request(f"{info.dashboard_url}/api/cluster_status", headers={"Authorization": f"Bearer {info.token}"})
+    request = urllib.request.Request(
+        f"{info.dashboard_url}/api/cluster_status", headers={"Authorization": f"Bearer {info.token}"}
+    )
     with urllib.request.urlopen(request, timeout=10) as resp:
         usage = json.loads(resp.read())["data"]["clusterStatus"]["loadMetricsReport"]["usage"]
     used, total = usage["CPU"]

@@ -28,7 +28,9 @@ ETAGS = {name: hashlib.sha256(p.read_bytes()).hexdigest() for name, p in FILES.i
 
 
 def _error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers={"X-Error-Code": code, "X-Error-Message": message})
+    return web.json_response(
+        {"error": message}, status=status, headers={"X-Error-Code": code, "X-Error-Message": message}
+    )
 
 
 @web.middleware
@@ -37,7 +39,11 @@ async def gate(request: web.Request, handler):
     with REQUEST_LOG.open("a") as log:
         log.write(json.dumps({"method": request.method, "path": request.path, "authorized": authorized}) + "\n")
     if not authorized:
-        return _error(401, "GatedRepo", f"Access to model {REPO_ID} is restricted. You must have access to it and be authenticated.")
+        return _error(
+            401,
+            "GatedRepo",
+            f"Access to model {REPO_ID} is restricted. You must have access to it and be authenticated.",
+        )
     repo = request.match_info.get("repo")
     if repo is not None and repo != REPO_ID:
         return _error(404, "RepoNotFound", f"Repository Not Found for url: {request.path}.")

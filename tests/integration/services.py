@@ -31,7 +31,9 @@ def _wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = 
 
 
 @contextmanager
-def _process(cmd: list[str], url: str, log: Path, timeout: float = 60.0, env: dict[str, str] | None = None) -> Iterator[None]:
+def _process(
+    cmd: list[str], url: str, log: Path, timeout: float = 60.0, env: dict[str, str] | None = None
+) -> Iterator[None]:
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
@@ -52,7 +54,14 @@ def hf_hub_server(log_dir: Path, repo_id: str, model_dir: Path, token: str) -> I
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     requests = log_dir / f"hub-requests-{port}.jsonl"
-    cmd = [sys.executable, str(Path(__file__).with_name("hf_hub_server.py")), str(port), repo_id, str(model_dir), str(requests)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name("hf_hub_server.py")),
+        str(port),
+        repo_id,
+        str(model_dir),
+        str(requests),
+    ]
     with _process(cmd, url, log_dir / "hf-hub.log", env={"HUB_TOKEN": token}):
         yield url, requests
 
@@ -83,10 +92,22 @@ def vllm_openai_server(model_dir: Path, name: str, log_dir: Path) -> Iterator[st
     """vLLM's own OpenAI-compatible server on the CPU engine; about 40 s to answer."""
     port = free_port()
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", name,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "1024", "--enforce-eager", "--gpu-memory-utilization", "0.15",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "1024",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.15",
     ]
     from airflow_provider_rayllm.job.engines.vllm import cpu_has_native_half
 
@@ -101,7 +122,11 @@ def vllm_openai_server(model_dir: Path, name: str, log_dir: Path) -> Iterator[st
 def storm_server(storm_seconds: float, log_dir: Path) -> Iterator[str]:
     port = free_port()
     script = Path(__file__).with_name("storm_server.py")
-    with _process([sys.executable, str(script), str(port), str(storm_seconds)], f"http://127.0.0.1:{port}/stats", log_dir / "storm.log"):
+    with _process(
+        [sys.executable, str(script), str(port), str(storm_seconds)],
+        f"http://127.0.0.1:{port}/stats",
+        log_dir / "storm.log",
+    ):
         yield f"http://127.0.0.1:{port}"
 
 
@@ -134,7 +159,9 @@ def echo_server(delay_s: float, log_dir: Path) -> Iterator[str]:
     """A chat endpoint that echoes each prompt after ``delay_s``; GET /stats counts requests per prompt."""
     port = free_port()
     script = Path(__file__).with_name("echo_server.py")
-    with _process([sys.executable, str(script), str(port), str(delay_s)], f"http://127.0.0.1:{port}/stats", log_dir / "echo.log"):
+    with _process(
+        [sys.executable, str(script), str(port), str(delay_s)], f"http://127.0.0.1:{port}/stats", log_dir / "echo.log"
+    ):
         yield f"http://127.0.0.1:{port}"
 
 

@@ -44,7 +44,9 @@ class Stack:
         airflow = str(Path(sys.executable).with_name("airflow"))
         done = subprocess.run([airflow, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
-            raise AssertionError(f"airflow {' '.join(args)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+            raise AssertionError(
+                f"airflow {' '.join(args)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+            )
         return done.stdout
 
     def start(self, port: int, timeout: float = 300) -> None:
@@ -52,18 +54,25 @@ class Stack:
 
         airflow = str(Path(sys.executable).with_name("airflow"))
         out = open(self.log, "w")
-        self.proc = subprocess.Popen([airflow, "standalone"], env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [airflow, "standalone"], env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.time() + timeout
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v2/monitor/health", timeout=5) as resp:
                     health = json.loads(resp.read())
-                if all((health.get(k) or {}).get("status") == "healthy" for k in ("metadatabase", "scheduler", "triggerer", "dag_processor")):
+                if all(
+                    (health.get(k) or {}).get("status") == "healthy"
+                    for k in ("metadatabase", "scheduler", "triggerer", "dag_processor")
+                ):
                     return
             except (OSError, ValueError):
                 pass
             if self.proc.poll() is not None or time.time() > deadline:
-                raise AssertionError(f"airflow standalone did not become healthy; log: {self.log}\n{self.log.read_text()[-3000:]}")
+                raise AssertionError(
+                    f"airflow standalone did not become healthy; log: {self.log}\n{self.log.read_text()[-3000:]}"
+                )
             time.sleep(2)
 
     def stop(self) -> None:
@@ -121,23 +130,25 @@ def stack(ray_conn, test_home, service_logs):
         write_jsonl(inputs / f"{day}.jsonl", _rows_for(day))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW__")}
-    env.update({
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-        "AIRFLOW__CORE__PARALLELISM": "4",
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        "AIRFLOW__API__HOST": "127.0.0.1",
-        "AIRFLOW__API__PORT": str(port),
-        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
-        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-        "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
-        "RAYLLM_BACKFILL_INPUTS": str(inputs),
-        # standalone starts its components as `airflow ...` subprocesses found on PATH
-        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-    })
+    env.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__PARALLELISM": "4",
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(port),
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
+            "RAYLLM_BACKFILL_INPUTS": str(inputs),
+            # standalone starts its components as `airflow ...` subprocesses found on PATH
+            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+        }
+    )
     with echo_server(0.2, service_logs) as echo:
         env["AIRFLOW_CONN_LLM_ECHO"] = json.dumps({"conn_type": "http", "host": f"{echo}/v1"})
         s = Stack(home, env, service_logs / "airflow-standalone.log")
@@ -205,8 +216,16 @@ def test_a_second_backfill_over_the_same_dates_replaces_never_duplicates(first_b
     while True:
         try:
             stack.cli(
-                "backfill", "create", "--dag-id", DAG_ID, "--from-date", DATES[0], "--to-date", DATES[-1],
-                "--reprocess-behavior", "completed",
+                "backfill",
+                "create",
+                "--dag-id",
+                DAG_ID,
+                "--from-date",
+                DATES[0],
+                "--to-date",
+                DATES[-1],
+                "--reprocess-behavior",
+                "completed",
             )
             break
         except AssertionError as exc:

@@ -71,7 +71,12 @@ def api_server(finished_run, test_home, service_logs):
     port = free_port()
     log = open(service_logs / "api-server.log", "w")
     airflow = str(Path(sys.executable).with_name("airflow"))
-    proc = subprocess.Popen([airflow, "api-server", "-H", "127.0.0.1", "-p", str(port), "-w", "1"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [airflow, "api-server", "-H", "127.0.0.1", "-p", str(port), "-w", "1"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
     while True:

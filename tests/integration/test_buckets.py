@@ -34,7 +34,11 @@ def buckets(endpoints, monkeypatch_module):
     from google.cloud import storage
 
     s3 = boto3.client(
-        "s3", endpoint_url=endpoints["s3"], aws_access_key_id="AKIATEST", aws_secret_access_key=CANARY, region_name="us-east-1"
+        "s3",
+        endpoint_url=endpoints["s3"],
+        aws_access_key_id="AKIATEST",
+        aws_secret_access_key=CANARY,
+        region_name="us-east-1",
     )
     s3.create_bucket(Bucket="answers")
     monkeypatch_module.setenv("STORAGE_EMULATOR_HOST", endpoints["gcs"])
@@ -56,7 +60,12 @@ def buckets(endpoints, monkeypatch_module):
     )
     monkeypatch_module.setenv(
         "AIRFLOW_CONN_GCS_DEFAULT",
-        json.dumps({"conn_type": "google_cloud_platform", "extra": {"storage_emulator_host": endpoints["gcs"], "project": "test"}}),
+        json.dumps(
+            {
+                "conn_type": "google_cloud_platform",
+                "extra": {"storage_emulator_host": endpoints["gcs"], "project": "test"},
+            }
+        ),
     )
     return {"s3": s3, "gcs": gcs}
 
@@ -91,7 +100,9 @@ def test_gcs_in_s3_out_with_connection_credentials(bucket_run, buckets):
         rows.extend(pq.read_table(io.BytesIO(body)).to_pylist())
     assert sorted(r["id"] for r in rows) == list(range(len(QUESTIONS)))
     assert all(r["response"].strip() for r in rows)
-    published = json.loads(buckets["s3"].get_object(Bucket="answers", Key="runs/2026-05-01/manifest.json")["Body"].read())
+    published = json.loads(
+        buckets["s3"].get_object(Bucket="answers", Key="runs/2026-05-01/manifest.json")["Body"].read()
+    )
     assert published["submission_id"] == manifest["submission_id"]
 
 
@@ -126,9 +137,17 @@ def _echo_op(task_id, input_uri, output_uri, **kw):
     from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
 
     return HttpLLMBatchOperator(
-        task_id=task_id, http_conn_id="llm_echo", model="echo", input_uri=input_uri, output_uri=output_uri,
-        prompt_column="prompt", aws_conn_id="aws_default", gcp_conn_id="gcs_default", deferrable=False,
-        poll_interval=0.5, **kw,
+        task_id=task_id,
+        http_conn_id="llm_echo",
+        model="echo",
+        input_uri=input_uri,
+        output_uri=output_uri,
+        prompt_column="prompt",
+        aws_conn_id="aws_default",
+        gcp_conn_id="gcs_default",
+        deferrable=False,
+        poll_interval=0.5,
+        **kw,
     )
 
 
@@ -160,7 +179,9 @@ def test_jsonl_glob_from_s3_to_jsonl_on_gcs_and_partitioned_csv_from_gcs_to_s3(r
     for day, ids in (("2026-05-01", [1, 2]), ("2026-05-02", [3])):
         csv = "id,prompt\n" + "".join(f"{i},csv question {i}\n" for i in ids)
         source.blob(f"csv/date={day}/part-0.csv").upload_from_string(csv)
-    manifest = _echo_op("csv", "gs://questions/csv/", "s3://formats/csv-out").execute({"ti": StandInTI("formats", "manual__csv", "csv")})
+    manifest = _echo_op("csv", "gs://questions/csv/", "s3://formats/csv-out").execute(
+        {"ti": StandInTI("formats", "manual__csv", "csv")}
+    )
     assert manifest["rows_out"] == 3 and manifest["rows_errored"] == 0
     rows = []
     for f in manifest["output_files"]:

@@ -48,7 +48,13 @@ def test_multi_lora_rows_routed_to_the_adapter_differ_from_base_rows(ray_conn, a
 
     adapters = lora_adapters_dir()
     # Ten good rows and one bad: under the default max_error_fraction of 0.1.
-    prompts = ["What is the capital of France?", "Name a primary color.", "What do bees make?", "Why is the sky blue?", "What is 2 + 2?"]
+    prompts = [
+        "What is the capital of France?",
+        "Name a primary color.",
+        "What do bees make?",
+        "Why is the sky blue?",
+        "What is 2 + 2?",
+    ]
     rows = [{"id": i, "prompt": p, "adapter": ""} for i, p in enumerate(prompts)]
     rows += [{"id": 10 + i, "prompt": p, "adapter": LORA_ADAPTER} for i, p in enumerate(prompts)]
     rows.append({"id": 99, "prompt": "hi", "adapter": "no-such-adapter"})
@@ -103,9 +109,22 @@ def test_vision_rows_answer_from_their_own_image_and_a_broken_image_is_an_error_
         return "data:image/png;base64," + base64.b64encode(png(colors[name])).decode()
 
     # Nine good rows and one broken file: at the default max_error_fraction of 0.1.
-    images = [url("red"), url("red"), url("blue"), url("blue"), url("green"), str(folder / "red.png"),
-              str(folder / "blue.png"), str(folder / "green.png"), url("red"), str(folder / "broken.png")]
-    rows = [{"id": i, "name": f"row {i}", "question": "What color is this picture?", "image": image} for i, image in enumerate(images)]
+    images = [
+        url("red"),
+        url("red"),
+        url("blue"),
+        url("blue"),
+        url("green"),
+        str(folder / "red.png"),
+        str(folder / "blue.png"),
+        str(folder / "green.png"),
+        url("red"),
+        str(folder / "broken.png"),
+    ]
+    rows = [
+        {"id": i, "name": f"row {i}", "question": "What color is this picture?", "image": image}
+        for i, image in enumerate(images)
+    ]
     conf = {"model_source": str(tiny_vlm_path()), "input_uri": write_jsonl(folder / "images.jsonl", rows)}
     manifest = _run("example_vision", "describe", conf, 10)
     assert manifest["rows_in"] == 10 and manifest["rows_out"] == 9 and manifest["rows_errored"] == 1

@@ -21,12 +21,17 @@ pytestmark = pytest.mark.integration
 REPO_ID = "rayllm-test/SmolLM2-135M-Instruct"
 
 
-def test_hf_token_from_a_connection_opens_a_gated_hub_and_shows_nowhere(ray_conn, airflow_db, smollm2, test_home, service_logs, capfd):
+def test_hf_token_from_a_connection_opens_a_gated_hub_and_shows_nowhere(
+    ray_conn, airflow_db, smollm2, test_home, service_logs, capfd
+):
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
     from tests.integration.services import hf_hub_server
 
     token = f"hf_{secrets.token_hex(16)}"
-    input_uri = write_jsonl(test_home / "inputs" / "hub.jsonl", [{"id": i, "prompt": p} for i, p in enumerate(["What is the capital of France?", "Name a primary color."])])
+    input_uri = write_jsonl(
+        test_home / "inputs" / "hub.jsonl",
+        [{"id": i, "prompt": p} for i, p in enumerate(["What is the capital of France?", "Name a primary color."])],
+    )
     with hf_hub_server(service_logs, REPO_ID, smollm2, token) as (hub_url, requests_log):
         os.environ["AIRFLOW_CONN_HF_TEST"] = json.dumps({"conn_type": "generic", "password": token})
         try:

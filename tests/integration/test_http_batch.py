@@ -23,7 +23,9 @@ def vllm_endpoint(smollm2, service_logs):
 
 
 def _conn(monkeypatch, base_url):
-    monkeypatch.setenv("AIRFLOW_CONN_LLM_TEST", json.dumps({"conn_type": "http", "host": base_url, "password": API_KEY}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_LLM_TEST", json.dumps({"conn_type": "http", "host": base_url, "password": API_KEY})
+    )
 
 
 def test_answers_every_row_with_usage_and_cost(ray_conn, airflow_db, vllm_endpoint, test_home, monkeypatch):
@@ -31,7 +33,9 @@ def test_answers_every_row_with_usage_and_cost(ray_conn, airflow_db, vllm_endpoi
 
     _conn(monkeypatch, vllm_endpoint)
     questions = [f"What is {i} plus {i}?" for i in range(16)]
-    input_uri = write_jsonl(test_home / "inputs" / "http.jsonl", [{"id": i, "prompt": q} for i, q in enumerate(questions)])
+    input_uri = write_jsonl(
+        test_home / "inputs" / "http.jsonl", [{"id": i, "prompt": q} for i, q in enumerate(questions)]
+    )
     dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_http")
     conf = {"input_uri": input_uri, "output_uri": str(test_home / "out" / "http"), "max_in_flight": 16}
     dag_run = dag.test(logical_date=utc(2026, 9, 1), run_after=utc(2026, 9, 1), run_conf=conf)
@@ -52,7 +56,9 @@ def test_answers_every_row_with_usage_and_cost(ray_conn, airflow_db, vllm_endpoi
     assert API_KEY not in json.dumps(manifest)
 
 
-def test_a_429_storm_loses_no_row_and_keeps_under_the_qps_cap(ray_conn, airflow_db, test_home, service_logs, monkeypatch):
+def test_a_429_storm_loses_no_row_and_keeps_under_the_qps_cap(
+    ray_conn, airflow_db, test_home, service_logs, monkeypatch
+):
     qps = 8.0
     rows = [{"id": i, "prompt": f"row {i}"} for i in range(60)]
     input_uri = write_jsonl(test_home / "inputs" / "storm.jsonl", rows)

@@ -18,12 +18,20 @@ pytestmark = pytest.mark.integration
 def s3(s3_endpoint):
     import boto3
 
-    client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="AKIAUP", aws_secret_access_key="up-secret", region_name="us-east-1")
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint,
+        aws_access_key_id="AKIAUP",
+        aws_secret_access_key="up-secret",
+        region_name="us-east-1",
+    )
     client.create_bucket(Bucket="models")
     mp = pytest.MonkeyPatch()
     mp.setenv(
         "AIRFLOW_CONN_AWS_DEFAULT",
-        json.dumps({"conn_type": "aws", "login": "AKIAUP", "password": "up-secret", "extra": {"endpoint_url": s3_endpoint}}),
+        json.dumps(
+            {"conn_type": "aws", "login": "AKIAUP", "password": "up-secret", "extra": {"endpoint_url": s3_endpoint}}
+        ),
     )
     yield client
     mp.undo()
@@ -33,7 +41,9 @@ def upload(model_source, bucket_uri, task="upload", **kw):
     """Run the operator's execute() as a task instance would (non-deferred, real Ray job)."""
     from airflow_provider_rayllm.operators.model_upload import ModelUploadOperator
 
-    op = ModelUploadOperator(task_id=task, model_source=str(model_source), bucket_uri=bucket_uri, poll_interval=0.5, **kw)
+    op = ModelUploadOperator(
+        task_id=task, model_source=str(model_source), bucket_uri=bucket_uri, poll_interval=0.5, **kw
+    )
     ti = StandInTI("upload_tests", f"manual__{bucket_uri}", task)
     return op.execute({"ti": ti}), ti
 
@@ -41,7 +51,7 @@ def upload(model_source, bucket_uri, task="upload", **kw):
 def test_fresh_then_repeated_then_changed(ray_conn, smollm2, s3, tmp_path):
     first, ti = upload(smollm2, "s3://models/fresh", aws_conn_id="aws_default")
     assert first["skipped"] is False and first["uploaded_files"] == first["file_count"] >= 5
-    assert ti.xcom["output_uri"] == "s3://models/fresh"
+    assert ti.xcom["model_uri"] == "s3://models/fresh"
     keys = {o["Key"]: o["Size"] for o in s3.list_objects_v2(Bucket="models", Prefix="fresh/")["Contents"]}
     for f in first["files"]:
         assert keys[f"fresh/{f['path']}"] == f["bytes"]
@@ -56,7 +66,9 @@ def test_fresh_then_repeated_then_changed(ray_conn, smollm2, s3, tmp_path):
     config = json.loads((changed_dir / "generation_config.json").read_text())
     (changed_dir / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.5}))
     # Same model_source name is what makes it "the same model, changed"; use overwrite for a new path.
-    changed, _ = upload(changed_dir, "s3://models/fresh", task="upload_changed", aws_conn_id="aws_default", overwrite=True)
+    changed, _ = upload(
+        changed_dir, "s3://models/fresh", task="upload_changed", aws_conn_id="aws_default", overwrite=True
+    )
     assert changed["skipped"] is False and changed["uploaded_files"] == 1
     assert changed["checksum"] != first["checksum"]
 
@@ -97,7 +109,12 @@ def test_bad_sources_fail_clearly(ray_conn, s3, source, expected):
     from airflow_provider_rayllm.exceptions import RayJobFailed
 
     with pytest.raises(RayJobFailed, match=expected.replace("(", r"\(").replace(")", r"\)")):
-        upload(source, f"s3://models/bad-{abs(hash(source)) % 1000}", task=f"bad{abs(hash(source)) % 1000}", aws_conn_id="aws_default")
+        upload(
+            source,
+            f"s3://models/bad-{abs(hash(source)) % 1000}",
+            task=f"bad{abs(hash(source)) % 1000}",
+            aws_conn_id="aws_default",
+        )
 
 
 QUICKSTART = dict(
@@ -129,7 +146,11 @@ def gcs_conn(gcs_endpoint, service_logs, monkeypatch):
     if client.lookup_bucket("gcs-models") is None:
         client.create_bucket("gcs-models")
     with oauth_token_server(service_logs) as token_uri:
-        extra = {"keyfile_dict": authorized_user_keyfile(token_uri), "storage_emulator_host": gcs_endpoint, "project": "test"}
+        extra = {
+            "keyfile_dict": authorized_user_keyfile(token_uri),
+            "storage_emulator_host": gcs_endpoint,
+            "project": "test",
+        }
         monkeypatch.setenv("AIRFLOW_CONN_GCS_UP", json.dumps({"conn_type": "google_cloud_platform", "extra": extra}))
         yield "gcs_up"
 
@@ -144,7 +165,12 @@ def test_upload_to_gcs(ray_conn, smollm2, gcs_conn):
 def test_upload_then_infer_from_the_bucket_matches_the_local_folder(ray_conn, airflow_db, smollm2, s3, local_answers):
     date = utc(2026, 10, 1)
     dag = load_dag("dags_examples", "example_model_upload", "example_model_upload")
-    conf = {"model_source": str(smollm2), "bucket_uri": "s3://models/chain", "max_tokens": 24, "engine_kwargs": REPRODUCIBLE_ENGINE}
+    conf = {
+        "model_source": str(smollm2),
+        "bucket_uri": "s3://models/chain",
+        "max_tokens": 24,
+        "engine_kwargs": REPRODUCIBLE_ENGINE,
+    }
     dag_run = dag.test(logical_date=date, run_after=date, run_conf=conf)
     assert task_state(dag_run, "upload") == "success" and task_state(dag_run, "answer") == "success"
     from_bucket = xcom(dag.dag_id, dag_run.run_id, "answer", "return_value")
@@ -161,8 +187,14 @@ def test_infer_from_gcs_matches_the_local_folder(ray_conn, smollm2, gcs_conn, lo
     # The same destination as test_upload_to_gcs: skipped when that test ran first, uploaded otherwise.
     uploaded, _ = upload(smollm2, "gs://gcs-models/smol", task="gcs_chain", gcp_conn_id=gcs_conn)
     op = VLLMBatchOperator(
-        task_id="answer_gcs", model_source=uploaded["output_uri"], input_uri=str(DEMO_INPUT),
-        output_uri=str(tmp_path / "out"), gcp_conn_id=gcs_conn, deferrable=False, poll_interval=1.0, **QUICKSTART,
+        task_id="answer_gcs",
+        model_source=uploaded["output_uri"],
+        input_uri=str(DEMO_INPUT),
+        output_uri=str(tmp_path / "out"),
+        gcp_conn_id=gcs_conn,
+        deferrable=False,
+        poll_interval=1.0,
+        **QUICKSTART,
     )
     manifest = op.execute({"ti": StandInTI("upload_tests", "manual__gcs_chain", "answer_gcs")})
     assert manifest["model"] == "gs://gcs-models/smol"
@@ -184,8 +216,14 @@ def test_revoked_gcs_credentials_are_a_clear_failure(ray_conn, smollm2, gcs_endp
     from tests.integration.services import authorized_user_keyfile, oauth_token_server
 
     with oauth_token_server(service_logs) as token_uri:
-        extra = {"keyfile_dict": authorized_user_keyfile(token_uri, revoked=True), "storage_emulator_host": gcs_endpoint, "project": "test"}
-        monkeypatch.setenv("AIRFLOW_CONN_GCS_REVOKED", json.dumps({"conn_type": "google_cloud_platform", "extra": extra}))
+        extra = {
+            "keyfile_dict": authorized_user_keyfile(token_uri, revoked=True),
+            "storage_emulator_host": gcs_endpoint,
+            "project": "test",
+        }
+        monkeypatch.setenv(
+            "AIRFLOW_CONN_GCS_REVOKED", json.dumps({"conn_type": "google_cloud_platform", "extra": extra})
+        )
         with pytest.raises(RayJobFailed) as failure:
             upload(smollm2, "gs://gcs-models/revoked", task="revoked", gcp_conn_id="gcs_revoked")
     message = str(failure.value)

@@ -81,12 +81,18 @@ def test_a_pipeline_parallel_engine_runs_on_the_node_its_placement_asks_for(mult
     manifest = xcom(dag.dag_id, dag_run.run_id, "answer", "return_value")
     assert manifest["rows_in"] == manifest["rows_out"] == 16 and manifest["rows_errored"] == 0
     engine = manifest["engine_kwargs"]
-    assert (engine["pipeline_parallel_size"], engine["distributed_executor_backend"], engine["enforce_eager"]) == (2, "mp", False)
+    assert (engine["pipeline_parallel_size"], engine["distributed_executor_backend"], engine["enforce_eager"]) == (
+        2,
+        "mp",
+        False,
+    )
 
     # The model ran through both pipeline stages: a broken split would not answer this.
     answers = {r["prompt"]: r["response"] for r in read_rows(manifest["output_files"])}
     assert "Paris" in answers["What is the capital of France?"], answers["What is the capital of France?"]
-    assert "Worker_PP1" in RayJobHook().get_job_logs(manifest["submission_id"]), "the second pipeline stage's worker should have logged"
+    assert "Worker_PP1" in RayJobHook().get_job_logs(manifest["submission_id"]), (
+        "the second pipeline stage's worker should have logged"
+    )
 
     engines, head = _engine_nodes(multi_node, manifest["submission_id"])
     assert len(engines) == 1 and engines[0] not in head, "the engine asked for a worker node's rayllm_engine_node"
@@ -105,9 +111,14 @@ def test_tensor_parallel_replicas_run_one_per_worker_node_and_embed_right(multi_
     dag_run = dag.test(logical_date=utc(2026, 10, 3), run_after=utc(2026, 10, 3), run_conf=conf)
     assert task_state(dag_run, "embed") == "success"
     manifest = xcom(dag.dag_id, dag_run.run_id, "embed", "return_value")
-    assert (manifest["engine_kwargs"]["tensor_parallel_size"], manifest["engine_kwargs"]["distributed_executor_backend"]) == (2, "mp")
+    assert (
+        manifest["engine_kwargs"]["tensor_parallel_size"],
+        manifest["engine_kwargs"]["distributed_executor_backend"],
+    ) == (2, "mp")
     check_demo_embeddings(manifest)
-    assert "Worker_TP1" in RayJobHook().get_job_logs(manifest["submission_id"]), "the second tensor-parallel worker should have logged"
+    assert "Worker_TP1" in RayJobHook().get_job_logs(manifest["submission_id"]), (
+        "the second tensor-parallel worker should have logged"
+    )
 
     engines, head = _engine_nodes(multi_node, manifest["submission_id"])
     assert len(engines) == 2 and len(set(engines)) == 2, engines
@@ -135,7 +146,12 @@ def test_the_guides_cross_node_settings_on_gpus(test_home, airflow_db):
         dag = load_dag("dags_examples", "example_model_parallel", "example_model_parallel")
         conf = {
             "model_source": "Qwen/Qwen2.5-0.5B-Instruct",  # 14 attention heads split over tp=2
-            "engine_kwargs": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "distributed_executor_backend": "ray", "max_model_len": 1024},
+            "engine_kwargs": {
+                "tensor_parallel_size": 2,
+                "pipeline_parallel_size": 2,
+                "distributed_executor_backend": "ray",
+                "max_model_len": 1024,
+            },
             "placement_group_config": {"bundles": [{"GPU": 1}] * 4, "strategy": "STRICT_PACK"},
             "concurrency": 1,
         }

@@ -51,16 +51,26 @@ def _http_op(task_id: str, input_uri: str, output_uri: str, **kw):
     from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
 
     settings = dict(
-        task_id=task_id, http_conn_id="llm_rel", model="echo", input_uri=input_uri, output_uri=output_uri,
-        prompt_column="prompt", sampling_params={"max_tokens": 8}, batch_size=8, max_in_flight=4,
-        deferrable=False, poll_interval=0.5,
+        task_id=task_id,
+        http_conn_id="llm_rel",
+        model="echo",
+        input_uri=input_uri,
+        output_uri=output_uri,
+        prompt_column="prompt",
+        sampling_params={"max_tokens": 8},
+        batch_size=8,
+        max_in_flight=4,
+        deferrable=False,
+        poll_interval=0.5,
     )
     settings.update(kw)
     return HttpLLMBatchOperator(**settings)
 
 
 def _rows(test_home, name: str, n: int) -> str:
-    return write_jsonl(test_home / "inputs" / f"{name}.jsonl", [{"id": i, "prompt": f"{name} row {i}"} for i in range(n)])
+    return write_jsonl(
+        test_home / "inputs" / f"{name}.jsonl", [{"id": i, "prompt": f"{name} row {i}"} for i in range(n)]
+    )
 
 
 def _pipeline_workers() -> list[psutil.Process]:
@@ -96,8 +106,13 @@ def test_a_killed_pipeline_worker_costs_time_not_rows(ray_conn, echo, test_home)
     assert manifest["rows_out"] == n and manifest["rows_errored"] == 0
     record_figure(
         "worker_death",
-        rows=n, workers_killed=len(victims), requests_sent_before_kill=killed_at, requests_total=sent["total"],
-        rows_lost=n - len(set(ids)), duplicate_rows=len(ids) - len(set(ids)), seconds=round(time.time() - started, 1),
+        rows=n,
+        workers_killed=len(victims),
+        requests_sent_before_kill=killed_at,
+        requests_total=sent["total"],
+        rows_lost=n - len(set(ids)),
+        duplicate_rows=len(ids) - len(set(ids)),
+        seconds=round(time.time() - started, 1),
     )
 
 
@@ -140,13 +155,20 @@ def test_a_restarted_head_is_job_lost_and_the_retry_runs_a_new_job(restartable_c
     assert ids == list(range(n)) and manifest["rows_out"] == n
     record_figure(
         "lost_cluster",
-        head_restart_seconds=round(back_after, 1), seconds_from_restart_to_task_failure=round(seconds_to_fail, 1),
-        error=str(error)[:160], retry_submission_id=retry_ti.xcom["submission_id"], first_submission_id=first_sid,
-        retry_rows_out=manifest["rows_out"], rows_lost=n - len(set(ids)), duplicate_rows=len(ids) - len(set(ids)),
+        head_restart_seconds=round(back_after, 1),
+        seconds_from_restart_to_task_failure=round(seconds_to_fail, 1),
+        error=str(error)[:160],
+        retry_submission_id=retry_ti.xcom["submission_id"],
+        first_submission_id=first_sid,
+        retry_rows_out=manifest["rows_out"],
+        rows_lost=n - len(set(ids)),
+        duplicate_rows=len(ids) - len(set(ids)),
     )
 
 
-def test_a_20_second_dashboard_outage_is_waited_out_by_the_deferred_task(ray_conn, airflow_db, echo, test_home, monkeypatch):
+def test_a_20_second_dashboard_outage_is_waited_out_by_the_deferred_task(
+    ray_conn, airflow_db, echo, test_home, monkeypatch
+):
     import threading
 
     from tests.integration.services import TcpProxy
@@ -187,7 +209,9 @@ def test_a_20_second_dashboard_outage_is_waited_out_by_the_deferred_task(ray_con
     # The job finished while the dashboard was out of reach only if it ended after the outage began.
     record_figure(
         "dashboard_outage",
-        outage_seconds=round(outage["seconds"], 1), task_state="success", rows_out=manifest["rows_out"],
+        outage_seconds=round(outage["seconds"], 1),
+        task_state="success",
+        rows_out=manifest["rows_out"],
         job_wall_time_s=round(manifest["wall_time_s"], 1),
     )
 
@@ -208,7 +232,9 @@ def test_stopping_the_task_stops_the_job_and_frees_the_cluster(how, ray_conn, ec
     hook = RayJobHook()
     tag = how.split()[0] + ("_timeout" if "timeout" in how else "")
     deferred = "deferred" in how
-    op = _http_op(f"stop_{tag}", _rows(test_home, f"stop_{tag}", 200), str(test_home / "out" / f"stop_{tag}"), deferrable=deferred)
+    op = _http_op(
+        f"stop_{tag}", _rows(test_home, f"stop_{tag}", 200), str(test_home / "out" / f"stop_{tag}"), deferrable=deferred
+    )
     ti = StandInTI("reliability", f"manual__stop_{tag}", f"stop_{tag}")
     if deferred:
         with pytest.raises(TaskDeferred) as deferral:
@@ -240,7 +266,9 @@ def test_stopping_the_task_stops_the_job_and_frees_the_cluster(how, ray_conn, ec
     time.sleep(2)
     assert _stats(echo)["total"] == sent, "a stopped job must not go on calling the endpoint"
     record_figure(
-        f"stop: {how}", seconds_to_stopped=round(seconds_to_stopped, 1), seconds_until_cpus_free=round(seconds_to_free, 1),
+        f"stop: {how}",
+        seconds_to_stopped=round(seconds_to_stopped, 1),
+        seconds_until_cpus_free=round(seconds_to_free, 1),
         cpus_in_use_after=cpus_in_use(ray_conn["info"])[0],
     )
 
@@ -258,7 +286,9 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
 
     # Try 1 submits, defers, and its worker dies before the trigger runs: nobody waits for the job.
     with pytest.raises(TaskDeferred):
-        _http_op("retry", input_uri, str(output_uri), deferrable=True).execute({"ti": StandInTI("reliability", "manual__retry", "retry")})
+        _http_op("retry", input_uri, str(output_uri), deferrable=True).execute(
+            {"ti": StandInTI("reliability", "manual__retry", "retry")}
+        )
     # Try 2 (same task instance, next try) finds the job still running and waits for it instead of submitting.
     ti2 = StandInTI("reliability", "manual__retry", "retry", try_number=2)
     first = _http_op("retry", input_uri, str(output_uri)).execute({"ti": ti2})
@@ -269,7 +299,9 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
     # A different run of the same task: the endpoint fails every row, so try 1's job fails after writing
     # its error rows into its generation folder; try 2 (endpoint healthy again) is a new generation.
     failing = dict(max_error_fraction=0.0, max_retries=0)
-    post = urllib.request.Request(f"{echo}/fail", data=json.dumps({"status": 400}).encode(), headers={"Content-Type": "application/json"})
+    post = urllib.request.Request(
+        f"{echo}/fail", data=json.dumps({"status": 400}).encode(), headers={"Content-Type": "application/json"}
+    )
     urllib.request.urlopen(post, timeout=10).read()
     with pytest.raises(RayJobFailed, match="error"):
         _http_op("retry", input_uri, str(output_uri / "second"), **failing).execute(
@@ -278,7 +310,9 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
     failed_generation = output_uri / "second" / "_generations"
     partial = sorted(p.name for p in failed_generation.iterdir()) if failed_generation.exists() else []
     assert not (output_uri / "second" / "manifest.json").exists(), "a failed generation must not be published"
-    post = urllib.request.Request(f"{echo}/fail", data=json.dumps({"status": 0}).encode(), headers={"Content-Type": "application/json"})
+    post = urllib.request.Request(
+        f"{echo}/fail", data=json.dumps({"status": 0}).encode(), headers={"Content-Type": "application/json"}
+    )
     urllib.request.urlopen(post, timeout=10).read()
     retried = _http_op("retry", input_uri, str(output_uri / "second"), **failing).execute(
         {"ti": StandInTI("reliability", "manual__retry2", "retry", try_number=2)}
@@ -290,8 +324,12 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
     ids = [r["id"] for r in read_rows(retried["output_files"])]
     assert sorted(ids) == list(range(n))
     record_figure(
-        "retry_and_reattach", jobs_for_crashed_then_retried_try=1, failed_generation_partial_folders=partial,
-        published_generation=retried["submission_id"], rows_lost=n - len(set(ids)), duplicate_rows=len(ids) - len(set(ids)),
+        "retry_and_reattach",
+        jobs_for_crashed_then_retried_try=1,
+        failed_generation_partial_folders=partial,
+        published_generation=retried["submission_id"],
+        rows_lost=n - len(set(ids)),
+        duplicate_rows=len(ids) - len(set(ids)),
     )
 
 
@@ -335,9 +373,15 @@ def test_a_stopped_job_run_again_does_not_recompute_finished_rows(ray_conn, echo
     assert all(requests[f"resume row {i}"] == 1 for i in never_sent)
     assert sorted(p.name for p in (output_uri / "_generations").iterdir()) == [manifest["generation"]]
     record_figure(
-        "resume", rows=n, rows_finished_before_stop=len(saved), requests_before_stop=sum(sent_by_first.values()),
-        requests_after_resume=sum(requests.values()) - sum(sent_by_first.values()), finished_rows_sent_again=len(recomputed),
-        rows_lost=n - len(set(ids)), duplicate_rows=len(ids) - len(set(ids)), resumed_job_seconds=round(seconds, 1),
+        "resume",
+        rows=n,
+        rows_finished_before_stop=len(saved),
+        requests_before_stop=sum(sent_by_first.values()),
+        requests_after_resume=sum(requests.values()) - sum(sent_by_first.values()),
+        finished_rows_sent_again=len(recomputed),
+        rows_lost=n - len(set(ids)),
+        duplicate_rows=len(ids) - len(set(ids)),
+        resumed_job_seconds=round(seconds, 1),
     )
 
 
@@ -369,7 +413,11 @@ def test_shell_metacharacters_in_templates_and_data_execute_nothing(ray_conn, ec
     input_uri = write_jsonl(test_home / "inputs" / "inject.jsonl", rows)
     template = "{prompt} $(touch " + str(marks[0]) + "); `touch " + str(marks[1]) + "`; echo 'x' \"y\" | cat"
     op = _http_op(
-        "inject", input_uri, str(test_home / "out" / "inject"), prompt_column=None, prompt_template=template,
+        "inject",
+        input_uri,
+        str(test_home / "out" / "inject"),
+        prompt_column=None,
+        prompt_template=template,
         system_prompt="$(id)",
     )
     manifest = op.execute({"ti": StandInTI("reliability", "manual__inject; rm -rf /", "inject")})

@@ -24,14 +24,29 @@ def _serve_app(ray_conn, test_home, *args: str) -> subprocess.CompletedProcess:
     env["RAY_ADDRESS"] = ray_conn["info"].gcs_address
     return subprocess.run(
         [sys.executable, "-m", "airflow_provider_rayllm.local.serve_app", *args],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
 
 
 @pytest.fixture(scope="module")
 def serve_app(ray_conn, test_home, smollm2):
-    deployed = _serve_app(ray_conn, test_home, "deploy", "--model-id", MODEL, "--model-source", str(smollm2),
-                          "--app", APP, "--deployment", DEPLOYMENT, "--cpu")
+    deployed = _serve_app(
+        ray_conn,
+        test_home,
+        "deploy",
+        "--model-id",
+        MODEL,
+        "--model-source",
+        str(smollm2),
+        "--app",
+        APP,
+        "--deployment",
+        DEPLOYMENT,
+        "--cpu",
+    )
     assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-4000:]
     yield APP
     # The replica holds a CPU of the 2-core cluster: the other tests need it back.
@@ -70,12 +85,16 @@ def test_two_chained_tasks_share_the_serve_deployment(serve_app, airflow_db):
 
 def test_an_unknown_deployment_is_named_before_any_row_is_sent(serve_app, airflow_db):
     dag = load_dag("dags_examples", "example_serve_deployment", "example_serve_deployment")
-    dag_run = dag.test(logical_date=utc(2026, 8, 21), run_after=utc(2026, 8, 21), run_conf={"serve_deployment": "no_such_llm"})
+    dag_run = dag.test(
+        logical_date=utc(2026, 8, 21), run_after=utc(2026, 8, 21), run_conf={"serve_deployment": "no_such_llm"}
+    )
     assert task_state(dag_run, "first_turn") == "failed"
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
 
     hook = RayJobHook()
     jobs = [j for j in hook.client.list_jobs() if (j.metadata or {}).get("airflow_run_id") == dag_run.run_id]
     assert len(jobs) == 1
-    errors = [line for line in hook.get_job_logs(jobs[0].submission_id).splitlines() if line.startswith("RAYLLM_ERROR ")]
+    errors = [
+        line for line in hook.get_job_logs(jobs[0].submission_id).splitlines() if line.startswith("RAYLLM_ERROR ")
+    ]
     assert errors and "serve_deployment 'no_such_llm'" in errors[-1] and "'chat_llm'" in errors[-1]

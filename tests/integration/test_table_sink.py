@@ -32,7 +32,10 @@ def rows_file(tmp_path, table: pa.Table) -> list[str]:
 
 
 def rows(tmp_path, ids, answer="ok"):
-    return rows_file(tmp_path, pa.table({"id": ids, "response": [f"{answer} {i}" for i in ids], "embedding": [[0.5, 0.25]] * len(ids)}))
+    return rows_file(
+        tmp_path,
+        pa.table({"id": ids, "response": [f"{answer} {i}" for i in ids], "embedding": [[0.5, 0.25]] * len(ids)}),
+    )
 
 
 def count(dialect, table, run_key=None):
@@ -98,7 +101,7 @@ def test_a_hostile_column_name_is_a_column_and_runs_no_sql(database, tmp_path):
     assert table_sink.write(files, dialect, table, "dag/run-1/t/-1", "gen-a") == 2
     conn = connect(dialect, SINK_SQL_URI_ENV)
     cur = conn.cursor()
-    cur.execute(f'SELECT {table_sink.quote(hostile, dialect)} FROM {table} ORDER BY id')
+    cur.execute(f"SELECT {table_sink.quote(hostile, dialect)} FROM {table} ORDER BY id")
     assert [r[0] for r in cur.fetchall()] == ["a", "b"], "the table still exists and the column holds the values"
     conn.close()
 

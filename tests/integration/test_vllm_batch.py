@@ -56,7 +56,12 @@ def deferred_run(ray_conn, airflow_db, smollm2, test_home):
     output_uri = str(test_home / "out" / "deferred")
     # The guide's model-loading section: load_format reaches the engine as given.
     engine_kwargs = {"max_model_len": 256, "load_format": "safetensors"}
-    conf = {"model_source": str(smollm2), "input_uri": input_uri, "output_uri": output_uri, "engine_kwargs": engine_kwargs}
+    conf = {
+        "model_source": str(smollm2),
+        "input_uri": input_uri,
+        "output_uri": output_uri,
+        "engine_kwargs": engine_kwargs,
+    }
     started = time.time()
     dag_run = dag.test(logical_date=DEFERRED_DATE, run_after=DEFERRED_DATE, run_conf=conf)
     return {"dag": dag, "dag_run": dag_run, "conf": conf, "seconds": time.time() - started}
@@ -97,7 +102,7 @@ def test_manifest_matches_the_files(deferred_run):
     assert manifest["versions"]["ray"] == "2.60.0"
     assert manifest["model"] == deferred_run["conf"]["model_source"]
     assert manifest["run"]["dag_id"] == "rayllm_it_deferred"
-    assert xcom(dag_run.dag_id, dag_run.run_id, "generate", "output_uri") == manifest["outputs_uri"]
+    assert xcom(dag_run.dag_id, dag_run.run_id, "generate", "outputs_folder") == manifest["outputs_folder"]
     assert xcom(dag_run.dag_id, dag_run.run_id, "generate", "ray_job_url").endswith(manifest["submission_id"])
 
 
@@ -110,13 +115,13 @@ def test_outlet_asset_event_carries_the_output_uri(deferred_run):
     manifest = xcom(dag_run.dag_id, dag_run.run_id, "generate", "return_value")
     with create_session() as session:
         events = session.scalars(
-            select(AssetEvent).join(AssetModel, AssetEvent.asset_id == AssetModel.id).where(
-                AssetModel.uri == "rayllm://tests/deferred-answers", AssetEvent.source_run_id == dag_run.run_id
-            )
+            select(AssetEvent)
+            .join(AssetModel, AssetEvent.asset_id == AssetModel.id)
+            .where(AssetModel.uri == "rayllm://tests/deferred-answers", AssetEvent.source_run_id == dag_run.run_id)
         ).all()
         extras = [dict(e.extra) for e in events]
     assert len(extras) == 1
-    assert extras[0]["output_uri"] == manifest["outputs_uri"]
+    assert extras[0]["outputs_folder"] == manifest["outputs_folder"]
     assert extras[0]["rows_out"] == 6 and extras[0]["submission_id"] == manifest["submission_id"]
 
 
@@ -193,7 +198,13 @@ def test_load_format_reaches_the_engine(deferred_run, hook):
         (
             # The guide's cross-node settings: vLLM's CPU build would refuse them after its engine started.
             7,
-            {"engine_kwargs": {"max_model_len": 256, "pipeline_parallel_size": 2, "distributed_executor_backend": "ray"}},
+            {
+                "engine_kwargs": {
+                    "max_model_len": 256,
+                    "pipeline_parallel_size": 2,
+                    "distributed_executor_backend": "ray",
+                }
+            },
             "engine_kwargs.distributed_executor_backend='ray': vLLM's CPU engine does not support the Ray executor",
         ),
         (
@@ -203,7 +214,9 @@ def test_load_format_reaches_the_engine(deferred_run, hook):
         ),
     ],
 )
-def test_bad_configuration_fails_before_any_engine_starts(day, overrides, expected, ray_conn, airflow_db, smollm2, test_home, hook):
+def test_bad_configuration_fails_before_any_engine_starts(
+    day, overrides, expected, ray_conn, airflow_db, smollm2, test_home, hook
+):
     dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_sync")
     input_uri = write_jsonl(test_home / "inputs" / "small.jsonl", [{"id": 1, "prompt": "hi"}])
     output_uri = test_home / "out" / f"bad-{day}"

@@ -40,7 +40,13 @@ def warehouse(postgres_dsn, s3_endpoint):
         for day_index, day in enumerate(TICKETS):
             for i, body in enumerate(TICKETS[day]):
                 cur.execute(f"INSERT INTO {TABLE} VALUES (%s, %s, %s)", (day_index * 10 + i, body, day))
-    s3 = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="AKIAWH", aws_secret_access_key="wh-secret", region_name="us-east-1")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint,
+        aws_access_key_id="AKIAWH",
+        aws_secret_access_key="wh-secret",
+        region_name="us-east-1",
+    )
     s3.create_bucket(Bucket="llm-outputs")
     mp = pytest.MonkeyPatch()
     user_host = postgres_dsn.split("://", 1)[1]
@@ -49,11 +55,15 @@ def warehouse(postgres_dsn, s3_endpoint):
     host, _, port = host_port.partition(":")
     mp.setenv(
         "AIRFLOW_CONN_POSTGRES_DEFAULT",
-        json.dumps({"conn_type": "postgres", "host": host, "port": int(port or 5432), "login": login, "schema": database}),
+        json.dumps(
+            {"conn_type": "postgres", "host": host, "port": int(port or 5432), "login": login, "schema": database}
+        ),
     )
     mp.setenv(
         "AIRFLOW_CONN_AWS_DEFAULT",
-        json.dumps({"conn_type": "aws", "login": "AKIAWH", "password": "wh-secret", "extra": {"endpoint_url": s3_endpoint}}),
+        json.dumps(
+            {"conn_type": "aws", "login": "AKIAWH", "password": "wh-secret", "extra": {"endpoint_url": s3_endpoint}}
+        ),
     )
     yield {"s3": s3, "dsn": postgres_dsn}
     mp.undo()
@@ -140,7 +150,9 @@ def _sql_job_error(hook, dag_run):
         (3, f"SELECT id, body FROM {TABLE}", "prompt needs column(s) ['prompt'] that the input lacks"),
     ],
 )
-def test_postgres_query_problems_fail_before_any_engine(day, sql, expected, ray_conn, airflow_db, smollm2, warehouse, test_home, monkeypatch):
+def test_postgres_query_problems_fail_before_any_engine(
+    day, sql, expected, ray_conn, airflow_db, smollm2, warehouse, test_home, monkeypatch
+):
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
 
     dsn = warehouse["dsn"]
@@ -148,7 +160,9 @@ def test_postgres_query_problems_fail_before_any_engine(day, sql, expected, ray_
     host_port, _, database = rest.partition("/")
     monkeypatch.setenv(
         "AIRFLOW_CONN_SQL_TEST",
-        json.dumps({"conn_type": "postgres", "host": host_port.split(":")[0], "port": 5432, "login": login, "schema": database}),
+        json.dumps(
+            {"conn_type": "postgres", "host": host_port.split(":")[0], "port": 5432, "login": login, "schema": database}
+        ),
     )
     dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_sql")
     conf = {"model_source": str(smollm2), "sql": sql, "output_uri": str(test_home / "out" / f"sql-bad-{day}")}
@@ -167,7 +181,11 @@ def test_sqlite_missing_table_is_named(ray_conn, airflow_db, smollm2, test_home,
     sqlite3.connect(db).execute("CREATE TABLE IF NOT EXISTS notes (id int, prompt text)").connection.commit()
     monkeypatch.setenv("AIRFLOW_CONN_SQL_TEST", json.dumps({"conn_type": "sqlite", "host": str(db)}))
     dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_sql")
-    conf = {"model_source": str(smollm2), "sql": "SELECT id, prompt FROM missing_notes", "output_uri": str(test_home / "out" / "sqlite-bad")}
+    conf = {
+        "model_source": str(smollm2),
+        "sql": "SELECT id, prompt FROM missing_notes",
+        "output_uri": str(test_home / "out" / "sqlite-bad"),
+    }
     dag_run = dag.test(logical_date=utc(2026, 7, 10), run_after=utc(2026, 7, 10), run_conf=conf)
     assert task_state(dag_run, "generate") == "failed"
     error = _sql_job_error(RayJobHook(), dag_run)

@@ -22,7 +22,9 @@ async def token(request: web.Request) -> web.Response:
     if form.get("grant_type") != "refresh_token" or not form.get("refresh_token") or not form.get("client_id"):
         return web.json_response({"error": "invalid_grant", "error_description": f"fields: {sorted(form)}"}, status=400)
     if form.get("refresh_token") == REVOKED:
-        return web.json_response({"error": "invalid_grant", "error_description": "Token has been expired or revoked."}, status=400)
+        return web.json_response(
+            {"error": "invalid_grant", "error_description": "Token has been expired or revoked."}, status=400
+        )
     return web.json_response({"access_token": f"local-{int(time.time())}", "expires_in": 3600, "token_type": "Bearer"})
 
 

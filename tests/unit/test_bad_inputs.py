@@ -37,7 +37,11 @@ VLLM_CASES = [
     ("empty model source", {"model_source": ""}, ["model_source", "''"]),
     ("unknown resource profile", {"resource_profile": "tpu"}, ["resource_profile", "'tpu'"]),
     ("tensor parallel size zero", {"engine_kwargs": {"tensor_parallel_size": 0}}, ["tensor_parallel_size", "0"]),
-    ("pipeline parallel size not a number", {"engine_kwargs": {"pipeline_parallel_size": "two"}}, ["pipeline_parallel_size", "'two'"]),
+    (
+        "pipeline parallel size not a number",
+        {"engine_kwargs": {"pipeline_parallel_size": "two"}},
+        ["pipeline_parallel_size", "'two'"],
+    ),
     (
         "bundles that do not match tp x pp",
         {"engine_kwargs": {"tensor_parallel_size": 2}, "placement_group_config": {"bundles": [{"CPU": 1}]}},
@@ -48,11 +52,23 @@ VLLM_CASES = [
         {"placement_group_config": {"bundles": [{"CPU": 1}], "strategy": "EVERYWHERE"}},
         ["strategy", "'EVERYWHERE'"],
     ),
-    ("unknown placement key", {"placement_group_config": {"bundle": [{"CPU": 1}]}}, ["placement_group_config", "'bundle'"]),
+    (
+        "unknown placement key",
+        {"placement_group_config": {"bundle": [{"CPU": 1}]}},
+        ["placement_group_config", "'bundle'"],
+    ),
     ("LoRA routing without LoRA", {"lora_column": "adapter"}, ["lora_column", "enable_lora"]),
-    ("guide and new stage names together", {"apply_chat_template": False, "chat_template_stage": True}, ["apply_chat_template", "chat_template_stage"]),
+    (
+        "guide and new stage names together",
+        {"apply_chat_template": False, "chat_template_stage": True},
+        ["apply_chat_template", "chat_template_stage"],
+    ),
     ("query without a connection", {"sql": "select 1", "input_uri": None}, ["sql", "sql_conn_id"]),
-    ("query on a connection that is no database", {"sql": "select 1", "sql_conn_id": "ftp_box", "input_uri": None}, ["ftp_box", "'ftp'"]),
+    (
+        "query on a connection that is no database",
+        {"sql": "select 1", "sql_conn_id": "ftp_box", "input_uri": None},
+        ["ftp_box", "'ftp'"],
+    ),
     ("neither files nor a query", {"input_uri": None}, ["input_uri", "sql"]),
     ("output table without a connection", {"output_table": "answers"}, ["output_table", "output_table_conn_id"]),
     (
@@ -68,7 +84,9 @@ VLLM_CASES = [
 @pytest.fixture(autouse=True)
 def connections(monkeypatch):
     monkeypatch.setenv("AIRFLOW_CONN_FTP_BOX", json.dumps({"conn_type": "ftp", "host": "files.example"}))
-    monkeypatch.setenv("AIRFLOW_CONN_PG_OUT", json.dumps({"conn_type": "postgres", "host": "127.0.0.1", "schema": "db"}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_PG_OUT", json.dumps({"conn_type": "postgres", "host": "127.0.0.1", "schema": "db"})
+    )
 
 
 class Ti:

@@ -20,4 +20,7 @@ def test_ray_finds_vllms_moved_chat_utils_under_its_old_name():
     assert sum(isinstance(f, compat._Alias) for f in __import__("sys").meta_path) == 1
     from vllm.entrypoints.chat_utils import parse_chat_messages_async  # what Ray 2.60's multimodal stage imports
 
-    assert parse_chat_messages_async is importlib.import_module(compat.MOVED["vllm.entrypoints.chat_utils"]).parse_chat_messages_async
+    assert (
+        parse_chat_messages_async
+        is importlib.import_module(compat.MOVED["vllm.entrypoints.chat_utils"]).parse_chat_messages_async
+    )

@@ -15,8 +15,14 @@ def conn(monkeypatch, name, **fields):
 
 
 def test_aws_connection(monkeypatch):
-    conn(monkeypatch, "a", conn_type="aws", login="AKIA1", password="s3cret",
-         extra={"region_name": "eu-west-1", "endpoint_url": "http://127.0.0.1:9000"})
+    conn(
+        monkeypatch,
+        "a",
+        conn_type="aws",
+        login="AKIA1",
+        password="s3cret",
+        extra={"region_name": "eu-west-1", "endpoint_url": "http://127.0.0.1:9000"},
+    )
     assert credentials.aws_env("a") == {
         "AWS_ACCESS_KEY_ID": "AKIA1",
         "AWS_SECRET_ACCESS_KEY": "s3cret",
@@ -48,8 +54,11 @@ def test_gcp_keyfile_travels_as_text(monkeypatch):
 @pytest.mark.parametrize(
     "fields, dialect, uri",
     [
-        ({"conn_type": "postgres", "host": "db", "port": 5432, "login": "u", "password": "p@ss/w", "schema": "wh"},
-         "postgresql", "postgresql://u:p%40ss%2Fw@db:5432/wh"),
+        (
+            {"conn_type": "postgres", "host": "db", "port": 5432, "login": "u", "password": "p@ss/w", "schema": "wh"},
+            "postgresql",
+            "postgresql://u:p%40ss%2Fw@db:5432/wh",
+        ),
         ({"conn_type": "mysql", "host": "m", "login": "root", "schema": "test"}, "mysql", "mysql://root@m/test"),
         ({"conn_type": "sqlite", "host": "/data/w.db"}, "sqlite", "sqlite:/data/w.db"),
     ],

@@ -11,7 +11,9 @@ def spec(**kw):
 def test_cpu_profile_defaults_and_user_overrides():
     kwargs = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"max_model_len": 512}), "cpu")
     assert kwargs["max_model_len"] == 512 and kwargs["enforce_eager"] is True
-    assert vllm_pipeline.placement_for(spec(engine_kwargs={"tensor_parallel_size": 2}), "cpu", {"tensor_parallel_size": 2}) == {
+    assert vllm_pipeline.placement_for(
+        spec(engine_kwargs={"tensor_parallel_size": 2}), "cpu", {"tensor_parallel_size": 2}
+    ) == {
         "bundles": [{"CPU": vllm_pipeline.CPU_ENGINE_BUNDLE_CPUS}] * 2,
         "strategy": "PACK",
     }
@@ -23,12 +25,20 @@ def test_cpu_profile_defaults_and_user_overrides():
 def test_cpu_lora_gets_a_second_slot():
     kwargs = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"enable_lora": True, "max_loras": 1}), "cpu")
     assert kwargs["max_loras"] == 2
-    assert vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"enable_lora": True, "max_loras": 1}), "gpu")["max_loras"] == 1
+    assert (
+        vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"enable_lora": True, "max_loras": 1}), "gpu")["max_loras"]
+        == 1
+    )
 
 
 def test_usage_statistics_opt_out_reaches_the_engine_env():
     env = vllm_pipeline.engine_runtime_env(spec(runtime_env={"env_vars": {"FOO": "1"}, "pip": ["x"]}))
-    assert env["env_vars"] == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "RAY_USAGE_STATS_ENABLED": "0", "FOO": "1"}
+    assert env["env_vars"] == {
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "FOO": "1",
+    }
     assert env["pip"] == ["x"]
     assert vllm_pipeline.engine_runtime_env(spec(usage_stats=True)) is None
 
@@ -39,7 +49,9 @@ def test_rows_in_flight_default_to_twice_the_engines_batch_and_an_underfed_engin
     assert feed.rows_in_flight == 2 * 256 and feed.warning is None
     staged = vllm_pipeline.feed_for(spec(batch_size=64), {"max_num_seqs": 100, "pipeline_parallel_size": 2})
     assert staged.rows_in_flight >= 2 * 100 * 2, "each pipeline stage holds a batch of its own"
-    given = vllm_pipeline.feed_for(spec(batch_size=8, max_concurrent_batches=2, max_pending_requests=50), {"max_num_seqs": 64})
+    given = vllm_pipeline.feed_for(
+        spec(batch_size=8, max_concurrent_batches=2, max_pending_requests=50), {"max_num_seqs": 64}
+    )
     assert (given.max_concurrent_batches, given.max_pending_requests) == (2, 50)
     assert given.warning.startswith("batch_size x max_concurrent_batches = 8 x 2 = 16")
     assert vllm_pipeline.feed_for(spec(), {}).max_concurrent_batches == 8
@@ -75,7 +87,9 @@ def test_cpu_defaults_are_vllms_own_offline_scheduler_limits():
     assert vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"max_num_seqs": 1}), "cpu")["max_num_seqs"] == 1
     long = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"max_model_len": 8192}), "cpu")
     assert long["max_num_batched_tokens"] == 8192
-    mine = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"max_model_len": 8192, "max_num_batched_tokens": 512}), "cpu")
+    mine = vllm_pipeline.engine_kwargs_for(
+        spec(engine_kwargs={"max_model_len": 8192, "max_num_batched_tokens": 512}), "cpu"
+    )
     assert mine["max_num_batched_tokens"] == 512
 
 
@@ -85,7 +99,9 @@ def test_cpu_model_parallel_gets_the_executor_and_mode_the_cpu_engine_runs():
     kwargs = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"tensor_parallel_size": 2}), "cpu")
     assert kwargs["distributed_executor_backend"] == "mp" and kwargs["enforce_eager"] is True  # tp runs eager
     # The user's words win, and the GPU profile keeps Ray Data's choice ("ray" for several workers).
-    mine = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"pipeline_parallel_size": 2, "distributed_executor_backend": "ray"}), "cpu")
+    mine = vllm_pipeline.engine_kwargs_for(
+        spec(engine_kwargs={"pipeline_parallel_size": 2, "distributed_executor_backend": "ray"}), "cpu"
+    )
     assert mine["distributed_executor_backend"] == "ray"
     gpu = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"tensor_parallel_size": 2}), "gpu")
     assert "distributed_executor_backend" not in gpu and vllm_pipeline.executor_backend(gpu) == "ray"
@@ -102,18 +118,27 @@ def test_model_parallel_settings_the_cpu_engine_would_refuse_fail_first():
         vllm_pipeline.check_parallel("cpu", ray_backend, None)
     vllm_pipeline.check_parallel("gpu", ray_backend, None)  # GPU engines take the Ray executor
     with pytest.raises(JobError, match=r"enforce_eager=True with pipeline_parallel_size=2"):
-        vllm_pipeline.check_parallel("cpu", {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp", "enforce_eager": True}, None)
+        vllm_pipeline.check_parallel(
+            "cpu", {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp", "enforce_eager": True}, None
+        )
     spread = {"bundles": [{"CPU": 1}, {"CPU": 1}], "strategy": "STRICT_SPREAD"}
     with pytest.raises(JobError, match=r"strategy='STRICT_SPREAD' with distributed_executor_backend='mp'"):
         vllm_pipeline.check_parallel("cpu", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, spread)
     vllm_pipeline.check_parallel("gpu", {"tensor_parallel_size": 2}, {**spread, "bundles": [{"GPU": 1}, {"GPU": 1}]})
-    vllm_pipeline.check_parallel("cpu", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, {**spread, "strategy": "STRICT_PACK"})
+    vllm_pipeline.check_parallel(
+        "cpu", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, {**spread, "strategy": "STRICT_PACK"}
+    )
 
 
 def test_several_cpu_workers_split_the_node_unless_the_user_binds_them():
     env = vllm_pipeline.engine_runtime_env(spec(), "cpu", {"pipeline_parallel_size": 2})
     assert env["env_vars"]["VLLM_CPU_SIM_MULTI_NUMA"] == "1"
-    mine = vllm_pipeline.engine_runtime_env(spec(runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}), "cpu", {"pipeline_parallel_size": 2})
+    mine = vllm_pipeline.engine_runtime_env(
+        spec(runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}), "cpu", {"pipeline_parallel_size": 2}
+    )
     assert "VLLM_CPU_SIM_MULTI_NUMA" not in mine["env_vars"] and mine["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     assert "VLLM_CPU_SIM_MULTI_NUMA" not in vllm_pipeline.engine_runtime_env(spec(), "cpu", {})["env_vars"]
-    assert "VLLM_CPU_SIM_MULTI_NUMA" not in vllm_pipeline.engine_runtime_env(spec(), "gpu", {"tensor_parallel_size": 2})["env_vars"]
+    assert (
+        "VLLM_CPU_SIM_MULTI_NUMA"
+        not in vllm_pipeline.engine_runtime_env(spec(), "gpu", {"tensor_parallel_size": 2})["env_vars"]
+    )

@@ -27,7 +27,9 @@ def test_token_becomes_bearer_header_and_headers_merge():
 
 
 def test_ca_bundle_wins_over_verify_flag():
-    s = RayConnSettings.from_connection(conn(host="https://h", extra='{"ca_bundle": "/etc/ray/ca.pem", "verify": true}'))
+    s = RayConnSettings.from_connection(
+        conn(host="https://h", extra='{"ca_bundle": "/etc/ray/ca.pem", "verify": true}')
+    )
     assert s.verify == "/etc/ray/ca.pem"
 
 

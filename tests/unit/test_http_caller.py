@@ -18,7 +18,10 @@ def test_batch_from_a_plain_thread():
     async def chat(request):
         body = await request.json()
         return web.json_response(
-            {"choices": [{"message": {"content": body["messages"][0]["content"].upper()}}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+            {
+                "choices": [{"message": {"content": body["messages"][0]["content"].upper()}}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+            }
         )
 
     loop = asyncio.new_event_loop()
@@ -36,7 +39,12 @@ def test_batch_from_a_plain_thread():
         caller = HttpCaller(spec.model_dump_json())
         batch = {
             STASH: np.array([{"id": 1}, {"id": 2}, {"id": 3}], dtype=object),
-            REQUEST: np.array([json.dumps({"messages": [{"role": "user", "content": t}], "sampling_params": {}}) for t in ("a", "b", "c")]),
+            REQUEST: np.array(
+                [
+                    json.dumps({"messages": [{"role": "user", "content": t}], "sampling_params": {}})
+                    for t in ("a", "b", "c")
+                ]
+            ),
             PRE_ERROR: np.array(["", "", "prompt: ValueError: column 'q' is empty"]),
         }
         result = {}

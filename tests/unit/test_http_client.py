@@ -72,7 +72,9 @@ class Faulty:
             return web.Response(status=200, text="<html>not json</html>")
         if mode == "slow" and n == 1:
             await asyncio.sleep(2)
-        return web.json_response({"choices": [{"message": {"content": f"ok {mode}"}}], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+        return web.json_response(
+            {"choices": [{"message": {"content": f"ok {mode}"}}], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+        )
 
 
 @pytest_asyncio.fixture
@@ -86,7 +88,15 @@ async def server():
 
 
 def client(url, **kw):
-    settings = dict(api_key="k-123", max_in_flight=8, qps=None, max_retries=3, max_total_wait_s=20, timeout_s=1.0, backoff_base_s=0.05)
+    settings = dict(
+        api_key="k-123",
+        max_in_flight=8,
+        qps=None,
+        max_retries=3,
+        max_total_wait_s=20,
+        timeout_s=1.0,
+        backoff_base_s=0.05,
+    )
     settings.update(kw)
     return EndpointClient(url, **settings)
 
@@ -119,7 +129,9 @@ async def test_rows_that_still_fail_are_errors_with_status_and_reason(server):
         bad = await c.call({"mode": "bad-request"})
         garbage = await c.call({"mode": "garbage"})
     assert not down.ok and down.status == 503 and "gave up after 3 attempt(s)" in down.error
-    assert not bad.ok and bad.status == 400 and bad.error == "max_tokens is too large" and faulty.seen["bad-request"] == 1
+    assert (
+        not bad.ok and bad.status == 400 and bad.error == "max_tokens is too large" and faulty.seen["bad-request"] == 1
+    )
     assert not garbage.ok and "unparsable response body" in garbage.error
     for result in (down, bad, garbage):
         assert "k-123" not in result.error

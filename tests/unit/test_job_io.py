@@ -54,10 +54,15 @@ def test_columns_and_emptiness_come_from_heads_and_footers(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"id": pa.array([], pa.int64()), "q": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    pq.write_table(
+        pa.table({"id": pa.array([], pa.int64()), "q": pa.array([], pa.string())}), tmp_path / "empty.parquet"
+    )
     assert source_files.probe("parquet", [str(tmp_path / "empty.parquet")]) == (["id", "q"], False)
     pq.write_table(pa.table({"id": [1], "q": ["x"], "extra": [True]}), tmp_path / "one.parquet")
-    assert source_files.probe("parquet", [str(tmp_path / "empty.parquet"), str(tmp_path / "one.parquet")]) == (["id", "q", "extra"], True)
+    assert source_files.probe("parquet", [str(tmp_path / "empty.parquet"), str(tmp_path / "one.parquet")]) == (
+        ["id", "q", "extra"],
+        True,
+    )
     blank = touch(tmp_path / "blank.jsonl", "\n\n")
     rows = touch(tmp_path / "rows.jsonl", '{"id": 1, "text": "a"}\n{"id": 2, "text": "b", "more": 3}\n')
     assert source_files.probe("jsonl", [str(blank)]) == ([], False)
@@ -68,10 +73,15 @@ def test_columns_and_emptiness_come_from_heads_and_footers(tmp_path):
 def _spec(run_id="manual__1", task_id="t"):
     from airflow_provider_rayllm.spec import parse_spec
 
-    return parse_spec({
-        "source": {"uris": ["/in.jsonl"]}, "prompt": {"prompt_column": "q"}, "processor": {"model_source": "/m"},
-        "sink": {"uri": "/out"}, "run": {"dag_id": "d", "run_id": run_id, "task_id": task_id},
-    })
+    return parse_spec(
+        {
+            "source": {"uris": ["/in.jsonl"]},
+            "prompt": {"prompt_column": "q"},
+            "processor": {"model_source": "/m"},
+            "sink": {"uri": "/out"},
+            "run": {"dag_id": "d", "run_id": run_id, "task_id": task_id},
+        }
+    )
 
 
 def test_each_attempt_gets_a_generation_of_its_own_and_only_this_task_instances_older_ones_go(tmp_path):
@@ -79,7 +89,9 @@ def test_each_attempt_gets_a_generation_of_its_own_and_only_this_task_instances_
     spec = _spec().model_copy(update={"sink": _spec().sink.model_copy(update={"uri": out})})
     first, second = generations.start(spec), generations.start(spec)
     assert first != second and first.ti == second.ti and first.settings == second.settings
-    other_ti = generations.Generation(generations.task_instance_key(_spec(run_id="manual__2").run), first.settings, first.start, "abcdef")
+    other_ti = generations.Generation(
+        generations.task_instance_key(_spec(run_id="manual__2").run), first.settings, first.start, "abcdef"
+    )
     for g in (first, second, other_ti):
         touch(tmp_path / "run" / "_generations" / g.name / "outputs" / "part.parquet")
     touch(tmp_path / "run" / "_generations" / "not-a-generation" / "x")
@@ -89,11 +101,16 @@ def test_each_attempt_gets_a_generation_of_its_own_and_only_this_task_instances_
     touch(tmp_path / "run" / "_generations" / newer.name / "outputs" / "part.parquet")
     assert generations.remove_older(out, second) == [first.name]
     left = set(io.list_subdirs(str(tmp_path / "run" / "_generations")))
-    assert left == {second.name, other_ti.name, newer.name, "not-a-generation"}, "another task instance's and a newer attempt's stay"
+    assert left == {second.name, other_ti.name, newer.name, "not-a-generation"}, (
+        "another task instance's and a newer attempt's stay"
+    )
 
 
 def test_task_instance_keys_are_distinct_where_a_folder_name_would_not_be():
     from airflow_provider_rayllm.spec import RunSpec
 
-    keys = {generations.task_instance_key(RunSpec(dag_id="d", run_id=r, task_id="t")) for r in ("résumé", "rösümé", "r_s_m_")}
+    keys = {
+        generations.task_instance_key(RunSpec(dag_id="d", run_id=r, task_id="t"))
+        for r in ("résumé", "rösümé", "r_s_m_")
+    }
     assert len(keys) == 3

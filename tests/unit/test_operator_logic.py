@@ -230,8 +230,9 @@ def test_provider_registers_the_ray_connection_type():
 class FlakyJobsApi:
     """A Jobs API that refuses connections for the first ``outage`` calls, then reports ``status``."""
 
-    def __init__(self, outage, status="SUCCEEDED", error=ConnectionError("connection refused")):
-        self.outage, self.status, self.error, self.calls = outage, status, error, 0
+    def __init__(self, outage, status="SUCCEEDED", error=None):
+        self.outage, self.status, self.calls = outage, status, 0
+        self.error = error or ConnectionError("connection refused")
 
     def get_job_info(self, sid):
         self.calls += 1
@@ -295,14 +296,24 @@ def test_inputs_and_output_reach_airflows_hook_lineage_collector(monkeypatch):
     sql_op = operator(input_uri=None, sql="SELECT 1", sql_conn_id="pg")
     sql_op.__dict__["hook"] = JobsOnRecord({})
     sql_op._report_lineage({"output_uri": "/out", "submission_id": "C-g0", "rows_out": 1})
-    assert collector2.collected_assets.inputs == [] and [a.asset.uri for a in collector2.collected_assets.outputs] == ["file:///out"]
+    assert collector2.collected_assets.inputs == [] and [a.asset.uri for a in collector2.collected_assets.outputs] == [
+        "file:///out"
+    ]
 
 
 @pytest.mark.parametrize(
     "uri, custom, expected",
     [
-        ("s3://answers/daily/run 1/outputs", False, "https://s3.console.aws.amazon.com/s3/buckets/answers?prefix=daily%2Frun%201%2Foutputs%2F"),
-        ("gs://answers/daily/outputs/", False, "https://console.cloud.google.com/storage/browser/answers/daily/outputs"),
+        (
+            "s3://answers/daily/run 1/outputs",
+            False,
+            "https://s3.console.aws.amazon.com/s3/buckets/answers?prefix=daily%2Frun%201%2Foutputs%2F",
+        ),
+        (
+            "gs://answers/daily/outputs/",
+            False,
+            "https://console.cloud.google.com/storage/browser/answers/daily/outputs",
+        ),
         ("s3://answers", False, "https://s3.console.aws.amazon.com/s3/buckets/answers?prefix="),
         ("s3://answers/daily", True, None),
         ("/data/answers", False, None),
@@ -315,32 +326,58 @@ def test_output_link_points_at_a_console_only_for_real_buckets(uri, custom, expe
     assert output_browser_url(uri, custom_endpoint=custom) == expected
 
 
-def _manifest(outputs_uri):
-    return {"output_uri": outputs_uri.rsplit("/_generations", 1)[0], "outputs_uri": outputs_uri, "rows_in": 2, "rows_out": 2,
-            "rows_errored": 0, "input_tokens": 10, "output_tokens": 4, "errors_uri": ""}
+def _manifest(outputs_folder):
+    return {
+        "output_uri": outputs_folder.rsplit("/_generations", 1)[0],
+        "outputs_folder": outputs_folder,
+        "rows_in": 2,
+        "rows_out": 2,
+        "rows_errored": 0,
+        "input_tokens": 10,
+        "output_tokens": 4,
+        "errors_folder": "",
+    }
 
 
 def test_publish_pushes_the_console_link_unless_the_bucket_is_behind_a_custom_endpoint(monkeypatch):
     from airflow_provider_rayllm.links import OUTPUT_URL_XCOM
 
     ti = Ti()
-    operator(output_uri="s3://answers/daily")._publish({"ti": ti}, _manifest("s3://answers/daily/_generations/g0/outputs"))
+    operator(output_uri="s3://answers/daily").publish(
+        {"ti": ti}, _manifest("s3://answers/daily/_generations/g0/outputs")
+    )
     assert ti.xcom[OUTPUT_URL_XCOM].startswith("https://s3.console.aws.amazon.com/s3/buckets/answers?prefix=daily")
-    monkeypatch.setenv("AIRFLOW_CONN_MINIO", json.dumps({"conn_type": "aws", "login": "k", "password": "s", "extra": {"endpoint_url": "http://127.0.0.1:9000"}}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_MINIO",
+        json.dumps(
+            {"conn_type": "aws", "login": "k", "password": "s", "extra": {"endpoint_url": "http://127.0.0.1:9000"}}
+        ),
+    )
     ti = Ti()
-    operator(output_uri="s3://answers/daily", aws_conn_id="minio")._publish({"ti": ti}, _manifest("s3://answers/daily/_generations/g0/outputs"))
-    assert OUTPUT_URL_XCOM not in ti.xcom and ti.xcom["output_uri"].endswith("/outputs")
+    operator(output_uri="s3://answers/daily", aws_conn_id="minio").publish(
+        {"ti": ti}, _manifest("s3://answers/daily/_generations/g0/outputs")
+    )
+    assert OUTPUT_URL_XCOM not in ti.xcom and ti.xcom["outputs_folder"].endswith("/outputs")
 
 
 def test_a_serve_deployment_replaces_the_engine_section(tmp_path):
-    op = operator(model_source="smollm2", serve_deployment="llm", serve_app="chat_app", batch_size=8, serve_request_timeout_s=30)
+    op = operator(
+        model_source="smollm2", serve_deployment="llm", serve_app="chat_app", batch_size=8, serve_request_timeout_s=30
+    )
     spec = op.build_spec({"ti": Ti()}, tmp_path)
     assert spec.kind == "serve" and spec.processor is None
     assert spec.serve.model_dump() == {
-        "deployment_name": "llm", "app_name": "chat_app", "model": "smollm2", "endpoint": "chat",
-        "concurrency": 1, "batch_size": 8, "request_timeout_s": 30.0,
+        "deployment_name": "llm",
+        "app_name": "chat_app",
+        "model": "smollm2",
+        "endpoint": "chat",
+        "concurrency": 1,
+        "batch_size": 8,
+        "request_timeout_s": 30.0,
     }
-    embed = operator(model_source="minilm", serve_deployment="emb", task_type="embed").build_spec({"ti": Ti()}, tmp_path)
+    embed = operator(model_source="minilm", serve_deployment="emb", task_type="embed").build_spec(
+        {"ti": Ti()}, tmp_path
+    )
     assert embed.serve.endpoint == "embeddings" and embed.task_type == "embed"
 
 
@@ -361,8 +398,13 @@ def test_engine_settings_beside_a_serve_deployment_are_refused(tmp_path, setting
 def test_a_serve_job_needs_its_own_section():
     from airflow_provider_rayllm.spec import SpecError, parse_spec
 
-    body = {"kind": "serve", "source": {"uris": ["/in.jsonl"]}, "prompt": {"prompt_column": "q"}, "sink": {"uri": "/out"},
-            "processor": {"model_source": "/m"}}
+    body = {
+        "kind": "serve",
+        "source": {"uris": ["/in.jsonl"]},
+        "prompt": {"prompt_column": "q"},
+        "sink": {"uri": "/out"},
+        "processor": {"model_source": "/m"},
+    }
     with pytest.raises(SpecError, match="'serve'"):
         parse_spec(json.dumps(body))
 
@@ -383,5 +425,7 @@ def test_each_serve_method_has_a_request_model_ray_data_accepts(endpoint):
 def test_an_image_column_turns_on_the_multimodal_stage_unless_configured(tmp_path):
     spec = operator(image_column="img").build_spec({"ti": Ti()}, tmp_path)
     assert spec.prompt.image_column == "img" and spec.processor.prepare_multimodal_stage is True
-    configured = operator(image_column="img", prepare_multimodal_stage={"num_cpus": 0.5}).build_spec({"ti": Ti()}, tmp_path)
+    configured = operator(image_column="img", prepare_multimodal_stage={"num_cpus": 0.5}).build_spec(
+        {"ti": Ti()}, tmp_path
+    )
     assert configured.processor.prepare_multimodal_stage == {"num_cpus": 0.5}

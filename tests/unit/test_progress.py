@@ -13,7 +13,9 @@ from airflow_provider_rayllm.job import progress
 def test_lines_round_trip_and_read_well():
     line = Progress(48, 96, 2, 768, 40.0, 123.45, files_written=3).line()
     assert parse_progress("(MapWorker pid=3) " + line) is None, "only a line that starts with the prefix counts"
-    assert last_progress(f"noise\n{Progress(8, 96, 0, 64, 5.0, 12.8).line()}\n{line}\nmore noise") == parse_progress(line)
+    assert last_progress(f"noise\n{Progress(8, 96, 0, 64, 5.0, 12.8).line()}\n{line}\nmore noise") == parse_progress(
+        line
+    )
     assert describe_progress(parse_progress(line)) == (
         "48/96 rows done (50% of the rows read so far), 2 error row(s), 768 tokens out, 123.5 tokens/s, 3 file(s) written, 40 s"
     )
@@ -30,7 +32,12 @@ def test_a_key_reported_twice_counts_once():
     tally.answered("t3:1", 8, 1, 40, at=101.0)
     tally.wrote("write-0", 2, at=102.0)
     totals = tally.totals()
-    assert (totals["rows_read"], totals["rows_skipped"], totals["rows_answered"], totals["rows_errored"]) == (15, 2, 8, 1)
+    assert (totals["rows_read"], totals["rows_skipped"], totals["rows_answered"], totals["rows_errored"]) == (
+        15,
+        2,
+        8,
+        1,
+    )
     assert (totals["tokens_out"], totals["files_written"], totals["first_answer_at"]) == (40, 2, 100.0)
 
 
@@ -48,19 +55,28 @@ def test_the_tap_counts_answered_rows_errors_and_tokens_as_they_pass(local_ray):
 
     lines: list[str] = []
     notes: list[str] = []
-    table = pa.table({
-        "id": list(range(100)),
-        "__inference_error__": ["too long" if i % 10 == 3 else "" for i in range(100)],
-        "num_generated_tokens": [i % 5 for i in range(100)],
-    })
+    table = pa.table(
+        {
+            "id": list(range(100)),
+            "__inference_error__": ["too long" if i % 10 == 3 else "" for i in range(100)],
+            "num_generated_tokens": [i % 5 for i in range(100)],
+        }
+    )
     with progress.ProgressLog(lines.append, notes.append, interval_s=0.05) as watch:
         tap = progress.Tap(watch.tally, "__inference_error__", progress.column_sum("num_generated_tokens"))
-        out = ray.data.from_arrow(table).repartition(target_num_rows_per_block=8).map_batches(
-            tap, batch_format="pyarrow", batch_size=None, num_cpus=0.2
-        ).materialize()
+        out = (
+            ray.data.from_arrow(table)
+            .repartition(target_num_rows_per_block=8)
+            .map_batches(tap, batch_format="pyarrow", batch_size=None, num_cpus=0.2)
+            .materialize()
+        )
         final = watch.finish()
     assert out.count() == 100, "the tap passes every row on"
-    assert (final["rows_answered"], final["rows_errored"], final["tokens_out"]) == (100, 10, sum(i % 5 for i in range(100)))
+    assert (final["rows_answered"], final["rows_errored"], final["tokens_out"]) == (
+        100,
+        10,
+        sum(i % 5 for i in range(100)),
+    )
     payloads = [parse_progress(line) for line in lines]
     assert all(payloads), lines
     done = [p["rows_done"] for p in payloads]

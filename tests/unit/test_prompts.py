@@ -57,7 +57,10 @@ def test_messages_column_passes_through():
 
 def test_import_path_preprocess_is_used():
     out = build({"preprocess": {"import_path": "tests.unit.helpers:to_request"}})({"id": 1, "q": "x"})
-    assert json.loads(out[REQUEST]) == {"messages": [{"role": "user", "content": "X"}], "sampling_params": {"max_tokens": 3}}
+    assert json.loads(out[REQUEST]) == {
+        "messages": [{"role": "user", "content": "X"}],
+        "sampling_params": {"max_tokens": 3},
+    }
 
 
 def test_preprocess_returning_non_dict_is_an_error_row():
@@ -109,7 +112,10 @@ def test_unknown_adapter_is_an_error_row():
     from airflow_provider_rayllm.job.requests import LoraRouting
 
     builder = RequestBuilder(
-        PromptSpec(prompt_column="q", lora_column="adapter"), "generate", ["q", "adapter"], "/x",
+        PromptSpec(prompt_column="q", lora_column="adapter"),
+        "generate",
+        ["q", "adapter"],
+        "/x",
         LoraRouting("/m", "/adapters", ["a1"]),
     )
     ok = json.loads(builder({"q": "hi", "adapter": "a1"})[REQUEST])
@@ -183,7 +189,11 @@ def test_image_column_is_for_generation_with_a_prompt_column_or_template():
 
     with pytest.raises(ValueError, match="image_column works with prompt_column or template"):
         PromptSpec(messages_column="m", image_column="img")
-    body = {"source": {"uris": ["/in.jsonl"]}, "prompt": {"prompt_column": "q", "image_column": "img"}, "sink": {"uri": "/out"},
-            "processor": {"model_source": "/m", "task_type": "embed"}}
+    body = {
+        "source": {"uris": ["/in.jsonl"]},
+        "prompt": {"prompt_column": "q", "image_column": "img"},
+        "sink": {"uri": "/out"},
+        "processor": {"model_source": "/m", "task_type": "embed"},
+    }
     with pytest.raises(SpecError, match="image_column needs task_type 'generate'"):
         parse_spec(json.dumps(body))

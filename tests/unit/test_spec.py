@@ -82,9 +82,14 @@ def test_reserved_output_column():
 def test_bundles_must_match_tensor_times_pipeline_parallel():
     engine = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
     with pytest.raises(SpecError, match=r"3 bundle\(s\).*2 x 2 = 4"):
-        parse_spec(body(processor__engine_kwargs=engine, processor__placement_group_config={"bundles": [{"GPU": 1}] * 3}))
+        parse_spec(
+            body(processor__engine_kwargs=engine, processor__placement_group_config={"bundles": [{"GPU": 1}] * 3})
+        )
     ok = parse_spec(
-        body(processor__engine_kwargs=engine, processor__placement_group_config={"bundles": [{"GPU": 1}] * 4, "strategy": "STRICT_PACK"})
+        body(
+            processor__engine_kwargs=engine,
+            processor__placement_group_config={"bundles": [{"GPU": 1}] * 4, "strategy": "STRICT_PACK"},
+        )
     )
     assert ok.processor.gpus_per_replica() == 4
 

@@ -41,17 +41,23 @@ def databases(tmp_path_factory, postgres_dsn, mysql_uri):
     path = tmp_path_factory.mktemp("sql") / "tickets.db"
     with sqlite3.connect(path) as conn:
         conn.execute(f"CREATE TABLE {TABLE} (id INTEGER PRIMARY KEY, region TEXT, body TEXT)")
-        conn.executemany(f"INSERT INTO {TABLE} VALUES (?, ?, ?)", [(i, f"r{i % 7}", f"ticket {i}") for i in range(ROWS)])
+        conn.executemany(
+            f"INSERT INTO {TABLE} VALUES (?, ?, ?)", [(i, f"r{i % 7}", f"ticket {i}") for i in range(ROWS)]
+        )
     with psycopg2.connect(postgres_dsn) as conn, conn.cursor() as cur:
         cur.execute(f"DROP TABLE IF EXISTS {TABLE}")
         cur.execute(f"CREATE TABLE {TABLE} (id int PRIMARY KEY, region text, body text)")
-        cur.executemany(f"INSERT INTO {TABLE} VALUES (%s, %s, %s)", [(i, f"r{i % 7}", f"ticket {i}") for i in range(ROWS)])
+        cur.executemany(
+            f"INSERT INTO {TABLE} VALUES (%s, %s, %s)", [(i, f"r{i % 7}", f"ticket {i}") for i in range(ROWS)]
+        )
     os.environ[sql.SQL_URI_ENV] = mysql_uri
     conn = sql.connect("mysql")
     with conn.cursor() as cur:
         cur.execute(f"DROP TABLE IF EXISTS {TABLE}")
         cur.execute(f"CREATE TABLE {TABLE} (id int PRIMARY KEY, region varchar(8), body varchar(64))")
-        cur.executemany(f"INSERT INTO {TABLE} VALUES (%s, %s, %s)", [(i, f"r{i % 7}", f"ticket {i}") for i in range(ROWS)])
+        cur.executemany(
+            f"INSERT INTO {TABLE} VALUES (%s, %s, %s)", [(i, f"r{i % 7}", f"ticket {i}") for i in range(ROWS)]
+        )
     conn.commit()
     yield {"sqlite": f"sqlite:{path}", "postgresql": postgres_dsn, "mysql": mysql_uri}
     with psycopg2.connect(postgres_dsn) as conn, conn.cursor() as cur:

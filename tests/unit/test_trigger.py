@@ -31,7 +31,9 @@ class JobsApi:
         code, status = self.steps.pop(0) if len(self.steps) > 1 else self.steps[0]
         if code != 200:
             return web.Response(status=code, text="nope")
-        return web.json_response({"status": status, "message": f"job is {status}", "submission_id": request.match_info["id"]})
+        return web.json_response(
+            {"status": status, "message": f"job is {status}", "submission_id": request.match_info["id"]}
+        )
 
     async def stop(self, request):
         self.stopped.append(request.match_info["id"])
@@ -78,7 +80,9 @@ async def test_waits_until_terminal_and_yields_one_event(serve):
     api = JobsApi([(200, "PENDING"), (200, "RUNNING"), (200, "RUNNING"), (200, "SUCCEEDED")])
     await serve(api)
     events = await collect(trigger())
-    assert [e.payload for e in events] == [{"status": "SUCCEEDED", "submission_id": "job-1", "message": "job is SUCCEEDED"}]
+    assert [e.payload for e in events] == [
+        {"status": "SUCCEEDED", "submission_id": "job-1", "message": "job is SUCCEEDED"}
+    ]
     assert api.calls == 4
 
 
@@ -132,14 +136,26 @@ async def test_on_kill_stops_the_job(serve):
 
 
 def _progress(done, total, tokens):
-    body = {"rows_done": done, "rows_total": total, "rows_errored": 0, "tokens_out": tokens, "elapsed_s": 3.0, "tokens_per_s": 40.0}
+    body = {
+        "rows_done": done,
+        "rows_total": total,
+        "rows_errored": 0,
+        "tokens_out": tokens,
+        "elapsed_s": 3.0,
+        "tokens_per_s": 40.0,
+    }
     return "RAYLLM_PROGRESS " + json.dumps(body)
 
 
 @pytest.mark.asyncio
 async def test_progress_lines_of_the_job_log_reach_the_trigger_log_once_each(serve):
     noise = "(MapWorker pid=1) INFO engine things"
-    logs = [noise, f"{noise}\n{_progress(2, 8, 64)}", f"{noise}\n{_progress(2, 8, 64)}", f"{_progress(2, 8, 64)}\n{_progress(6, 8, 192)}"]
+    logs = [
+        noise,
+        f"{noise}\n{_progress(2, 8, 64)}",
+        f"{noise}\n{_progress(2, 8, 64)}",
+        f"{_progress(2, 8, 64)}\n{_progress(6, 8, 192)}",
+    ]
     api = JobsApi([(200, "RUNNING")] * 4 + [(200, "SUCCEEDED")], logs=logs)
     await serve(api)
     with structlog.testing.capture_logs() as records:

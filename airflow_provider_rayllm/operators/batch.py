@@ -1,0 +1,179 @@
+"""What the two batch operators share: the input, how rows become prompts, the output, the limits, and
+what a finished job pushes. The engine (vLLM or an endpoint) is each operator's own section."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from airflow_provider_rayllm.contract import SINK_SQL_URI_ENV, SQL_URI_ENV
+from airflow_provider_rayllm.links import OUTPUT_URL_XCOM, OutputLink, RayJobLink, output_browser_url
+from airflow_provider_rayllm.operators import credentials
+from airflow_provider_rayllm.operators.base import RayJobOperator, default_output_uri
+from airflow_provider_rayllm.spec import RunSpec, SpecError
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+
+def _pickle_by_value(fn: Callable) -> bytes:
+    """Pickle the function with its module's code unless that module is an installed package.
+
+    A DAG file (or a test module) is not importable on the Ray cluster, so pickling a function
+    defined there by reference would fail in the job with ModuleNotFoundError.
+    """
+    import cloudpickle
+
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    path = getattr(module, "__file__", "") or ""
+    by_value = (
+        module is not None
+        and module.__name__ != "__main__"  # cloudpickle already pickles __main__ by value
+        and "site-packages" not in path
+        and "dist-packages" not in path
+    )
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(fn)
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def callable_ref(fn: Callable | str | None, name: str, package_dir: Path) -> dict[str, Any] | None:
+    """A callable travels as 'module:function' or cloudpickled into the job package."""
+    if fn is None:
+        return None
+    if isinstance(fn, str):
+        return {"import_path": fn}
+    if not callable(fn):
+        raise SpecError(f"{name} must be a callable or a 'module:function' string, got {fn!r}")
+    file_name = f"{name}.pkl"
+    (package_dir / file_name).write_bytes(_pickle_by_value(fn))
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        code = getattr(fn, "__code__", None)
+        source = repr(code.co_code + repr(code.co_consts).encode()) if code else repr(fn)
+    return {"pickled": file_name, "digest": hashlib.sha256(source.encode()).hexdigest()[:16]}
+
+
+class BatchOperator(RayJobOperator):
+    """Rows in, one engine's answers out: the arguments and steps both batch operators share."""
+
+    operator_extra_links = (RayJobLink(), OutputLink())
+
+    def resolve_output_uri(self, run: RunSpec) -> str:
+        if self.output_uri:
+            return str(self.output_uri)
+        base = self.hook.settings.output_base
+        if not base:
+            raise SpecError(
+                f"output_uri is not set and the connection {self.ray_conn_id!r} has no extra 'output_base'; give one of them"
+            )
+        return default_output_uri(base, run.dag_id, run.run_id, run.task_id, run.map_index)
+
+    def source_body(self) -> dict[str, Any]:
+        given = [name for name in ("input_uri", "sql", "input_rows") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise SpecError(
+                f"give exactly one of input_uri (files), sql (with sql_conn_id) or input_rows; got {given or 'none'}"
+            )
+        if given[0] == "input_uri":
+            return {"kind": "files", **self.section("files")}
+        if given[0] == "input_rows":
+            return {"kind": "rows", **self.section("rows")}
+        if not self.sql_conn_id:
+            raise SpecError("sql needs sql_conn_id, the Airflow connection of the database")
+        dialect, _ = credentials.sql_source(self.sql_conn_id)
+        return {"kind": "sql", "dialect": dialect, **self.section("sql")}
+
+    def prompt_body(self, package_dir: Path) -> dict[str, Any]:
+        prompt = self.section("prompt")
+        for name in ("preprocess", "postprocess"):
+            prompt[name] = callable_ref(prompt[name], name, package_dir)
+        return prompt
+
+    def sink_body(self, output_uri: str, run: RunSpec) -> dict[str, Any]:
+        sink = {**self.section("sink"), "uri": output_uri}
+        if self.output_table:
+            if not self.output_table_conn_id:
+                raise SpecError("output_table needs output_table_conn_id, the Airflow connection of the database")
+            dialect, _ = credentials.sql_source(self.output_table_conn_id)
+            run_key = f"{run.dag_id}/{run.run_id}/{run.task_id}/{run.map_index}"
+            sink["table"] = {"table": self.output_table, "dialect": dialect, "run_key": run_key}
+        return sink
+
+    def batch_body(
+        self, kind: str, engine: dict[str, Any], output_uri: str, package_dir: Path, context: Context
+    ) -> dict[str, Any]:
+        """The whole spec around one engine section (``{"processor" | "http" | "serve": ...}``)."""
+        return {
+            "kind": kind,
+            "source": self.source_body(),
+            "prompt": self.prompt_body(package_dir),
+            **engine,
+            "sink": self.sink_body(output_uri, self._run_spec(context)),
+            "limits": self.section("limits"),
+        }
+
+    def job_secrets(self) -> dict[str, str]:
+        env = super().job_secrets()
+        if self.output_table and self.output_table_conn_id:
+            _, uri = credentials.sql_source(self.output_table_conn_id)
+            env[SINK_SQL_URI_ENV] = uri[SQL_URI_ENV]
+        if self.sql and self.sql_conn_id:
+            env.update(credentials.sql_source(self.sql_conn_id)[1])
+        return env
+
+    def lineage_inputs(self) -> list[str]:
+        # A SQL query or inline rows name no location; files and bucket prefixes are reported as read.
+        if not self.input_uri:
+            return []
+        return [self.input_uri] if isinstance(self.input_uri, str) else list(self.input_uri)
+
+    def publish(self, context: Context, manifest: dict[str, Any]) -> None:
+        """Push where the output files are, annotate the outlets, and say what the job did."""
+        context["ti"].xcom_push(key="outputs_folder", value=manifest["outputs_folder"])
+        try:
+            secrets = self.job_secrets()
+        except Exception:  # a link is a courtesy
+            secrets = {}
+        custom = any(k in secrets for k in ("AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST"))
+        url = output_browser_url(manifest["outputs_folder"], custom_endpoint=custom)
+        if url:
+            context["ti"].xcom_push(key=OUTPUT_URL_XCOM, value=url)
+        self._annotate_outlets(context, manifest)
+        self.log.info(
+            "Published %s: %d rows in, %d out, %d errors; tokens in/out %d/%d",
+            manifest["output_uri"],
+            manifest["rows_in"],
+            manifest["rows_out"],
+            manifest["rows_errored"],
+            manifest["input_tokens"],
+            manifest["output_tokens"],
+        )
+        if manifest["rows_errored"]:
+            self.log.warning("%d error rows are in %s", manifest["rows_errored"], manifest["errors_folder"])
+
+    def _annotate_outlets(self, context: Context, manifest: dict[str, Any]) -> None:
+        """Each declared outlet asset's event carries where this run's output is (URIs and figures only)."""
+        events = context.get("outlet_events")
+        if events is None or not self.outlets:  # (an empty accessor mapping is falsy but usable)
+            return
+        extra = {
+            "outputs_folder": manifest.get("outputs_folder"),
+            "output_uri": manifest.get("output_uri"),
+            "submission_id": manifest.get("submission_id"),
+            "rows_out": manifest.get("rows_out"),
+            "rows_errored": manifest.get("rows_errored"),
+        }
+        for outlet in self.outlets or []:
+            try:
+                events[outlet].extra.update({k: v for k, v in extra.items() if v is not None})
+            except (KeyError, TypeError, AttributeError) as exc:
+                self.log.debug("outlet %r takes no event extra: %s", outlet, exc)
