@@ -105,6 +105,40 @@ def unknown_argument(operator: str, name: str) -> str:
 _OPERATORS = {"vllm": "VLLMBatchOperator", "http": "HttpLLMBatchOperator", "upload": "ModelUploadOperator"}
 
 
+class JobLogView:
+    """Which job log lines the task log shows: the driver's own lines and the workers' errors. The engine's
+    chatter stays in Ray's job log, and so do the tracebacks a finished engine prints while it shuts down
+    (vLLM's output handler raising EngineDeadError, Python's resource tracker missing a /psm_ segment)."""
+
+    WORKER = re.compile(r"^(?:\x1b\[\d+m)?\(.*?pid=\d+(?:, ip=[\d.]+)?\)(?:\x1b\[0m)?\s?")
+    SHUTDOWN_NOISE = ("EngineDeadError", "KeyError: '/psm_", "resource_tracker")
+
+    def __init__(self) -> None:
+        self.traceback: list[str] | None = None
+
+    def feed(self, line: str) -> list[str]:
+        if not line.strip() or line.startswith(MANIFEST_LOG_PREFIX):
+            return []
+        worker = self.WORKER.match(line)
+        text = line[worker.end() :] if worker else line
+        if self.traceback is not None:
+            self.traceback.append(line)
+            if (
+                text[:1].isspace()
+                or text.startswith(("Traceback", "The above exception", "During handling"))
+                or not text.strip()
+            ):
+                return []
+            block, self.traceback = self.traceback, None
+            return [] if any(noise in "\n".join(block) for noise in self.SHUTDOWN_NOISE) else block
+        if "Traceback (most recent call last)" in text:
+            self.traceback = [line]
+            return []
+        if worker and not any(level in text for level in ("ERROR", "Error:", "CRITICAL")):
+            return []
+        return [line]
+
+
 def _safe(part: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._=-]", "_", str(part)) or "_"
 
@@ -164,6 +198,10 @@ class RayJobOperator(BaseOperator):
     def publish(self, context: Context, manifest: dict[str, Any]) -> None:
         """What the task pushes and says once the job succeeded."""
         raise NotImplementedError
+
+    def summary(self, spec: AnySpec) -> str:
+        """One line that opens the task log: what runs, on what, and where the result goes."""
+        return f"{type(self).__name__}: {spec.model_name} -> {spec.output_uri}"
 
     def section(self, name: str) -> dict[str, Any]:
         """The rendered arguments that go into one section of the spec, under the spec's field names."""
@@ -308,6 +346,7 @@ class RayJobOperator(BaseOperator):
             run = spec.run
             base_id = submission_base_id(run.dag_id, run.run_id, run.task_id, run.map_index, spec.content_hash())
             action, submission_id = self._resolve_generation(base_id, run.clear_number)
+            self.log.info("%s", self.summary(spec))
             self.log.info("Output prefix %s; Ray submission %s (%s)", spec.output_uri, submission_id, action)
             if action == "submit":
                 self._submit(submission_id, spec, package_dir)
@@ -330,6 +369,7 @@ class RayJobOperator(BaseOperator):
     def _wait_with_logs(self, submission_id: str) -> tuple[str, str]:
         """Poll the job and copy its new log lines into the task log."""
         printed = 0
+        view = JobLogView()
         clock = OutageClock(submission_id, self.unreachable_timeout)
         while True:
             try:
@@ -349,14 +389,16 @@ class RayJobOperator(BaseOperator):
             except Exception as exc:  # logs are a courtesy; status decides
                 self.log.debug("could not read job logs: %s", exc)
                 logs = ""
-            if len(logs) > printed:
-                for line in logs[printed:].splitlines():
+            complete = logs.rfind("\n") + 1  # whole lines only; the rest comes with the next read
+            if complete > printed:
+                for line in logs[printed:complete].splitlines():
                     done = parse_progress(line)
                     if done is not None:
                         self.log.info("Progress: %s", describe_progress(done))
-                    elif line.strip() and not line.startswith(MANIFEST_LOG_PREFIX):
-                        self.log.info("[ray] %s", line)
-                printed = len(logs)
+                        continue
+                    for shown in view.feed(line):
+                        self.log.info("[ray] %s", shown)
+                printed = complete
             status = str(info["status"])
             if status not in ACTIVE_STATES:
                 return status, str(info.get("message") or "")

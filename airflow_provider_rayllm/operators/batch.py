@@ -148,17 +148,37 @@ class BatchOperator(RayJobOperator):
         if url:
             context["ti"].xcom_push(key=OUTPUT_URL_XCOM, value=url)
         self._annotate_outlets(context, manifest)
+        cost = manifest.get("estimated_cost")
         self.log.info(
-            "Published %s: %d rows in, %d out, %d errors; tokens in/out %d/%d",
-            manifest["output_uri"],
+            "Finished: %d rows in, %d out (%d resumed), %d error rows; tokens in/out %d/%d; %.0f s%s; outputs in %s",
             manifest["rows_in"],
             manifest["rows_out"],
+            manifest.get("rows_resumed") or 0,
             manifest["rows_errored"],
             manifest["input_tokens"],
             manifest["output_tokens"],
+            manifest["wall_time_s"],
+            f"; estimated cost {cost:.4f}" if cost is not None else "",
+            manifest["outputs_folder"],
         )
         if manifest["rows_errored"]:
-            self.log.warning("%d error rows are in %s", manifest["rows_errored"], manifest["errors_folder"])
+            self.log.warning(
+                "%d error rows (%s) are in %s",
+                manifest["rows_errored"],
+                manifest.get("errors_by_reason"),
+                manifest["errors_folder"],
+            )
+
+    def summary(self, spec: Any) -> str:
+        source = spec.source
+        if source.kind == "files":
+            what = f"files {source.uris}"
+        elif source.kind == "sql":
+            what = f"a {source.dialect} query on {self.sql_conn_id}"
+        else:
+            what = f"{len(source.rows)} given row(s)"
+        limit = f" (at most {spec.limits.max_rows} rows)" if spec.limits.max_rows else ""
+        return f"{type(self).__name__}: {spec.task_type} with {spec.model_name} over {what}{limit} -> {spec.output_uri}"
 
     def _annotate_outlets(self, context: Context, manifest: dict[str, Any]) -> None:
         """Each declared outlet asset's event carries where this run's output is (URIs and figures only)."""

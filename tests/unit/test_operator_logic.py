@@ -332,6 +332,7 @@ def _manifest(outputs_folder):
         "outputs_folder": outputs_folder,
         "rows_in": 2,
         "rows_out": 2,
+        "wall_time_s": 3.0,
         "rows_errored": 0,
         "input_tokens": 10,
         "output_tokens": 4,
@@ -429,3 +430,27 @@ def test_an_image_column_turns_on_the_multimodal_stage_unless_configured(tmp_pat
         {"ti": Ti()}, tmp_path
     )
     assert configured.processor.prepare_multimodal_stage == {"num_cpus": 0.5}
+
+
+def test_the_task_log_shows_the_drivers_lines_and_real_errors_not_engine_chatter_or_shutdown_tracebacks():
+    from airflow_provider_rayllm.operators.base import JobLogView
+
+    engine = "\x1b[36m(MapWorker(MapBatches(vLLMEngineStageUDF)) pid=11665)\x1b[0m "
+    log = [
+        "2026-12-01 23:43:23,941 INFO rayllm: input: 1 jsonl file(s)",
+        engine + "INFO 12-01 [core.py:402] init engine took 5.23 s",
+        engine + "Traceback (most recent call last):",
+        engine + '  File "async_llm.py", line 3, in output_handler',
+        engine + "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
+        "Traceback (most recent call last):",
+        '  File "/usr/lib/python3.11/multiprocessing/resource_tracker.py", line 239, in main',
+        "KeyError: '/psm_2b0d1a'",
+        "(Write pid=12) ERROR could not write part-000003.parquet",
+        "Traceback (most recent call last):",
+        '  File "driver.py", line 1, in run',
+        "ValueError: a real problem",
+        "2026-12-01 23:47:33,678 INFO rayllm: published /tmp/out",
+    ]
+    view = JobLogView()
+    shown = [line for raw in log for line in view.feed(raw)]
+    assert shown == [log[0], log[8], log[9], log[10], log[11], log[12]]
