@@ -7,6 +7,7 @@ Imports neither Airflow nor Ray nor numpy: the Airflow half imports this, never 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -122,3 +123,57 @@ class Manifest(BaseModel):
     versions: dict[str, str]
     run: dict[str, Any]
     output_table: dict[str, Any] | None = None
+
+
+# Names that hold a secret: such a setting is moved to the job's secrets or shown as ***, never logged.
+SECRET_NAME = re.compile(
+    r"(token|secret|passw(or)?d|api[_-]?key|access[_-]?key|private[_-]?key|credential|auth)", re.IGNORECASE
+)
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<who>[^/@\s:]+(:[^/@\s]*)?)@")
+
+
+def is_secret_name(name: str) -> bool:
+    return bool(SECRET_NAME.search(str(name)))
+
+
+def redact(value: Any) -> Any:
+    """A copy to show or store: values under secret-looking keys become ***, and credentials in URLs too."""
+    if isinstance(value, dict):
+        return {k: ("***" if is_secret_name(k) and v not in (None, "") else redact(v)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v) for v in value]
+    if isinstance(value, str):
+        return _URL_CREDENTIALS.sub(lambda m: f"{m['scheme']}***@", value)
+    return value
+
+
+# A secret-looking setting travels as an environment variable in the job's secrets file; the spec holds
+# this marker in its place.
+SECRET_MARKER = "$secret"
+ENGINE_SECRET_ENV = "RAYLLM_ENGINE_SECRET_"
+HTTP_USERINFO_ENV = "RAYLLM_HTTP_USERINFO"
+
+
+def split_secrets(settings: dict[str, Any] | None, env_prefix: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """(settings with each secret-looking value replaced by a marker, the values as secret env vars)."""
+    if not settings:
+        return settings, {}
+    kept, moved = {}, {}
+    for name, value in settings.items():
+        if is_secret_name(name) and isinstance(value, str) and value:
+            env = env_prefix + re.sub(r"[^A-Z0-9]", "_", name.upper())
+            kept[name], moved[env] = {SECRET_MARKER: env}, value
+        else:
+            kept[name] = value
+    return kept, moved
+
+
+def secret_env_vars(runtime_env: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """(a runtime_env without its secret-looking env_vars, those env vars): Ray shows a runtime_env's
+    env_vars to anyone who can list jobs; the job's secrets file carries them instead."""
+    env_vars = (runtime_env or {}).get("env_vars") or {}
+    moved = {k: str(v) for k, v in env_vars.items() if is_secret_name(k) and v not in (None, "")}
+    if not moved:
+        return runtime_env, {}
+    kept = {k: v for k, v in env_vars.items() if k not in moved}
+    return {**runtime_env, "env_vars": kept}, moved  # type: ignore[dict-item]

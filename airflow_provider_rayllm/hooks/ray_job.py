@@ -57,11 +57,21 @@ class RayConnSettings:
         host = (conn.host or "").strip()
         if not host:
             raise RayLLMError(f"connection {conn.conn_id!r}: host (the Ray dashboard URL) is empty")
+        extra = conn.extra_dejson or {}
         if "://" not in host:
-            host = f"http://{host}"
+            host = f"{'http' if _is_loopback(host) else 'https'}://{host}"
         if conn.port and host.count(":") < 2:
             host = f"{host}:{conn.port}"
-        extra = conn.extra_dejson or {}
+        if (
+            host.startswith("http://")
+            and not _is_loopback(host)
+            and not _as_bool(extra.get("allow_insecure_http", False))
+        ):
+            raise RayLLMError(
+                f"connection {conn.conn_id!r}: {host} is plain http to another machine, so the Ray auth token would "
+                "cross the network in clear; use https, or set the connection's extra allow_insecure_http=true "
+                "where the network between Airflow and Ray is trusted"
+            )
         headers = extra.get("headers") or {}
         if isinstance(headers, str):
             try:
@@ -78,6 +88,19 @@ class RayConnSettings:
             headers={str(k): str(v) for k, v in headers.items()},
             output_base=extra.get("output_base") or None,
         )
+
+
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+    import urllib.parse
+
+    host = urllib.parse.urlsplit(address if "://" in address else f"//{address}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _as_bool(value: Any) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -44,6 +45,9 @@ def main(argv: list[str]) -> int:
     loaded = secrets.load_into_env(package_dir)
     if loaded:
         log.info("secrets loaded into the environment: %s", loaded)
+    # Ray stops a job with SIGTERM (and SIGKILL some seconds later): end through the finally below, which
+    # removes the job's secrets from the cluster.
+    signal.signal(signal.SIGTERM, _stopped)
     try:
         with open(spec_path, encoding="utf-8") as handle:
             spec = parse_spec(handle.read())
@@ -67,5 +71,22 @@ def main(argv: list[str]) -> int:
         first_line = (str(exc).strip().splitlines() or [""])[0][:500]
         print(f"{ERROR_LOG_PREFIX}{secrets.scrub(f'{type(exc).__name__}: {first_line}', known)}", flush=True)
         return 1
+    finally:
+        _cleanup(loaded)
     print(manifest.log_line(body), flush=True)
     return 0
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(143)
+
+
+def _cleanup(loaded: list[str]) -> None:
+    """The secrets leave the cluster with the job (a failed cleanup is said, never hidden)."""
+    if not loaded:
+        return
+    try:
+        secrets.cleanup()
+        log.info("job secrets removed from the cluster's copies of the job package")
+    except Exception as exc:
+        print(f"WARNING: could not remove the job's secrets from the cluster: {type(exc).__name__}: {exc}", flush=True)

@@ -4,6 +4,11 @@ The operator writes ``secrets.json`` (environment variables) next to ``spec.json
 at start; every Ray worker of the job loads it through ``worker_process_setup_hook``, so read tasks and
 engine actors get credentials in their own process environment. Neither the entrypoint, the job
 metadata nor the runtime_env env_vars carry a secret, and nothing here logs a value.
+
+Ray keeps a job's package in its store and unpacked on every node that ran the job's workers, long after
+the job ended. So the driver, whatever way the job ends (success, failure, or a stop: Ray sends SIGTERM
+first), removes the secrets file and the key file from every node's copy and the package from the
+cluster's store (``cleanup``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,11 @@ def load_into_env(directory: str | None = None) -> list[str]:
         values["GOOGLE_APPLICATION_CREDENTIALS"] = _private_keyfile(os.path.dirname(os.path.abspath(path)), keyfile)
     for name, value in values.items():
         os.environ[name] = str(value)
+    _LOADED.extend(str(v) for v in values.values() if v and len(str(v)) >= 4)
     return sorted(values)
+
+
+_LOADED: list[str] = []  # the values this process loaded, to scrub messages with after the file is gone
 
 
 def _private_keyfile(directory: str, keyfile: str) -> str:
@@ -50,8 +59,8 @@ def _private_keyfile(directory: str, keyfile: str) -> str:
 def secret_values() -> list[str]:
     """The values loaded from the secrets file, so messages can be scrubbed of them."""
     path = os.path.join(os.getcwd(), SECRETS_FILE)
-    if not os.path.exists(path):
-        return []
+    if _LOADED or not os.path.exists(path):
+        return list(_LOADED)
     with open(path, encoding="utf-8") as handle:
         return [str(v) for v in json.load(handle).values() if v and len(str(v)) >= 4]
 
@@ -60,3 +69,41 @@ def scrub(text: str, secrets: list[str]) -> str:
     for value in secrets:
         text = text.replace(value, "***")
     return text
+
+
+def _remove_here() -> list[str]:
+    """Delete this process's copy of the secrets file and key file (its cwd is the job package)."""
+    removed = []
+    for name in (SECRETS_FILE, GCP_KEYFILE_NAME):
+        path = os.path.join(os.getcwd(), name)
+        try:
+            os.remove(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def cleanup(timeout_s: float = 15.0) -> None:
+    """Remove the secrets from every node's copy of the job package and the package from the cluster's store.
+
+    A task per live node runs in the job's own runtime env (its working directory is that node's copy of
+    the package) and deletes the files there; then the driver deletes the package itself."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not ray.is_initialized():
+        ray.init(log_to_driver=False)
+    remove = ray.remote(num_cpus=0, max_retries=0)(_remove_here)
+    refs = [
+        remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()
+        for node in ray.nodes()
+        if node.get("Alive")
+    ]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    _remove_here()
+    package = (ray.get_runtime_context().runtime_env or {}).get("working_dir") or ""
+    if package.startswith("gcs://"):
+        from ray.experimental.internal_kv import _internal_kv_del
+
+        _internal_kv_del(package)

@@ -23,7 +23,15 @@ from airflow.sdk import BaseOperator, conf
 
 from airflow_provider_rayllm import arguments as args_mod
 from airflow_provider_rayllm.arguments import Argument
-from airflow_provider_rayllm.contract import SECRETS_FILE, SETUP_HOOK, SPEC_FILE, describe_progress, parse_progress
+from airflow_provider_rayllm.contract import (
+    SECRETS_FILE,
+    SETUP_HOOK,
+    SPEC_FILE,
+    describe_progress,
+    parse_progress,
+    redact,
+    secret_env_vars,
+)
 from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayLLMError
 from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, OutageClock, RayJobHook, lost_message
 from airflow_provider_rayllm.links import RayJobLink
@@ -139,6 +147,12 @@ class JobLogView:
         return [line]
 
 
+def scrub(text: str, secrets: Sequence[str]) -> str:
+    for value in secrets:
+        text = text.replace(value, "***")
+    return redact(text)
+
+
 def _safe(part: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._=-]", "_", str(part)) or "_"
 
@@ -198,6 +212,11 @@ class RayJobOperator(BaseOperator):
     def publish(self, context: Context, manifest: dict[str, Any]) -> None:
         """What the task pushes and says once the job succeeded."""
         raise NotImplementedError
+
+    def already_published(self, spec: AnySpec) -> dict[str, Any] | None:
+        """A manifest in storage that this task instance published for the same settings and the same clear
+        of its run (a retry after the cluster forgot the job), or None."""
+        return None
 
     def summary(self, spec: AnySpec) -> str:
         """One line that opens the task log: what runs, on what, and where the result goes."""
@@ -283,7 +302,7 @@ class RayJobOperator(BaseOperator):
 
     def job_secrets(self) -> dict[str, str]:
         """Environment variables the job's processes need that must not show in the Jobs API."""
-        env: dict[str, str] = {}
+        env: dict[str, str] = dict(secret_env_vars(self.job_runtime_env)[1])
         if self.aws_conn_id:
             env.update(credentials.aws_env(self.aws_conn_id))
         if self.gcp_conn_id:
@@ -293,12 +312,22 @@ class RayJobOperator(BaseOperator):
         return env
 
     def _runtime_env(self, package_dir: Path) -> dict[str, Any]:
-        env = dict(self.job_runtime_env or {})
+        kept, moved = secret_env_vars(self.job_runtime_env)
+        if moved:
+            self.log.warning(
+                "job_runtime_env.env_vars %s look secret: they go to the job's secrets file, not to the runtime_env "
+                "that the Jobs API shows (a connection keeps them out of the DAG file too)",
+                sorted(moved),
+            )
+        env = dict(kept or {})
         for key in ("working_dir", "worker_process_setup_hook"):
             if key in env:
                 raise InvalidSpec(f"job_runtime_env.{key} is set by the operator (it carries the job spec and secrets)")
         env["working_dir"] = str(package_dir)
         env["worker_process_setup_hook"] = SETUP_HOOK
+        # A stopped job gets this long after Ray's SIGTERM (its default is 3 s) to remove its secrets from the
+        # cluster before the SIGKILL.
+        env["env_vars"] = {"RAY_JOB_STOP_WAIT_TIME_S": "30", **(env.get("env_vars") or {})}
         if self.ship_package:
             env["py_modules"] = [*env.get("py_modules", []), str(PACKAGE_DIR)]
         return env
@@ -347,6 +376,17 @@ class RayJobOperator(BaseOperator):
             base_id = submission_base_id(run.dag_id, run.run_id, run.task_id, run.map_index, spec.content_hash())
             action, submission_id = self._resolve_generation(base_id, run.clear_number)
             self.log.info("%s", self.summary(spec))
+            if action == "submit":
+                published = self.already_published(spec)
+                if published is not None:
+                    # Ray no longer knows the job (a restarted or ephemeral cluster), storage does.
+                    self.log.info(
+                        "Already published by %s for these settings and this clear of the run: returning its manifest",
+                        published["submission_id"],
+                    )
+                    context["ti"].xcom_push(key="submission_id", value=published["submission_id"])
+                    self.publish(context, published)
+                    return published
             self.log.info("Output prefix %s; Ray submission %s (%s)", spec.output_uri, submission_id, action)
             if action == "submit":
                 self._submit(submission_id, spec, package_dir)
@@ -370,6 +410,7 @@ class RayJobOperator(BaseOperator):
         """Poll the job and copy its new log lines into the task log."""
         printed = 0
         view = JobLogView()
+        known = self._secret_values()
         clock = OutageClock(submission_id, self.unreachable_timeout)
         while True:
             try:
@@ -397,7 +438,7 @@ class RayJobOperator(BaseOperator):
                         self.log.info("Progress: %s", describe_progress(done))
                         continue
                     for shown in view.feed(line):
-                        self.log.info("[ray] %s", shown)
+                        self.log.info("[ray] %s", scrub(shown, known))
                 printed = complete
             status = str(info["status"])
             if status not in ACTIVE_STATES:
@@ -421,15 +462,24 @@ class RayJobOperator(BaseOperator):
         tail = "\n".join(logs.splitlines()[-40:])
         return (ours[-1] if ours else ""), tail
 
+    def _secret_values(self) -> list[str]:
+        """The secrets this task sends, to scrub from what it logs or raises (a courtesy when unreadable)."""
+        try:
+            return [v for v in self.job_secrets().values() if v and len(v) >= 4]
+        except Exception:
+            return []
+
     def _finish(self, context: Context, submission_id: str, status: str, message: str) -> dict[str, Any]:
         if status == "LOST":
             raise RayJobLost(f"{message}; a retry of this task submits the job again")
         if status != "SUCCEEDED":
+            known = self._secret_values()
             error, tail = self._job_error_line(submission_id)
             if tail:
-                self.log.error("Last lines of Ray job %s:\n%s", submission_id, tail)
+                self.log.error("Last lines of Ray job %s:\n%s", submission_id, scrub(tail, known))
             detail = f": {error}" if error else ""
-            raise RayJobFailed(f"Ray job {submission_id} ended {status}{detail} (Ray: {message})")
+            first = (message.strip().splitlines() or [""])[0]
+            raise RayJobFailed(scrub(f"Ray job {submission_id} ended {status}{detail} (Ray: {first})", known))
         manifest = self._read_manifest(submission_id)
         self.publish(context, manifest)
         self._report_lineage(manifest)

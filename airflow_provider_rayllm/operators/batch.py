@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -76,6 +77,20 @@ class BatchOperator(RayJobOperator):
                 f"output_uri is not set and the connection {self.ray_conn_id!r} has no extra 'output_base'; give one of them"
             )
         return default_output_uri(base, run.dag_id, run.run_id, run.task_id, run.map_index)
+
+    def already_published(self, spec: Any) -> dict[str, Any] | None:
+        from airflow_provider_rayllm.storage import read_manifest
+
+        try:
+            manifest = read_manifest(spec.sink.uri, {**os.environ, **self.job_secrets()})
+        except Exception as exc:  # a prefix only the cluster can read: Ray's memory decides alone
+            self.log.debug("published manifest not readable here: %s", exc)
+            return None
+        if manifest is None or manifest.get("spec_hash") != spec.content_hash():
+            return None
+        run, same = manifest.get("run") or {}, spec.run
+        keys = ("dag_id", "run_id", "task_id", "map_index", "clear_number")
+        return manifest if all(run.get(k) == getattr(same, k) for k in keys) else None
 
     def source_body(self) -> dict[str, Any]:
         given = [name for name in ("input_uri", "sql", "input_rows") if getattr(self, name) is not None]

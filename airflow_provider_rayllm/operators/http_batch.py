@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseHook
 
 from airflow_provider_rayllm import arguments
-from airflow_provider_rayllm.contract import HTTP_API_KEY_ENV
+from airflow_provider_rayllm.contract import HTTP_API_KEY_ENV, HTTP_USERINFO_ENV
 from airflow_provider_rayllm.exceptions import InvalidSpec
 from airflow_provider_rayllm.operators.batch import BatchOperator
 
@@ -19,7 +20,8 @@ OPENAI_BASE_URL = "https://api.openai.com/v1"
 
 
 def endpoint_from_connection(conn_id: str) -> tuple[str, str | None]:
-    """(base URL, API key) from an `openai`, `http` or any connection: host (+ schema, port) and password."""
+    """(base URL without credentials, API key) from an `openai`, `http` or any connection: host (+ schema,
+    port) and password."""
     conn = BaseHook.get_connection(conn_id)
     extra = conn.extra_dejson or {}
     base = extra.get("base_url") or conn.host or ""
@@ -34,7 +36,16 @@ def endpoint_from_connection(conn_id: str) -> tuple[str, str | None]:
         head, _, path = base.partition("://")[2].partition("/")
         base = f"{base.split('://')[0]}://{head}:{conn.port}" + (f"/{path}" if path else "")
     key = conn.password or extra.get("api_key") or None
-    return base.rstrip("/"), key
+    return _without_userinfo(base.rstrip("/"))[0], key
+
+
+def _without_userinfo(base: str) -> tuple[str, str | None]:
+    """('https://host/v1', 'user:pass') for 'https://user:pass@host/v1': credentials travel as a job secret."""
+    parts = urllib.parse.urlsplit(base)
+    if "@" not in parts.netloc:
+        return base, None
+    userinfo, _, host = parts.netloc.rpartition("@")
+    return urllib.parse.urlunsplit(parts._replace(netloc=host)), urllib.parse.unquote(userinfo)
 
 
 class HttpLLMBatchOperator(BatchOperator):
@@ -55,6 +66,10 @@ class HttpLLMBatchOperator(BatchOperator):
         _, key = endpoint_from_connection(self.http_conn_id)
         if key:
             env[HTTP_API_KEY_ENV] = key
+        conn = BaseHook.get_connection(self.http_conn_id)
+        _, userinfo = _without_userinfo((conn.extra_dejson or {}).get("base_url") or conn.host or "")
+        if userinfo:
+            env[HTTP_USERINFO_ENV] = userinfo
         return env
 
     def spec_body(self, context: Context, output_uri: str, package_dir: Path) -> dict[str, Any]:

@@ -6,13 +6,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow_provider_rayllm import arguments
+from airflow_provider_rayllm.contract import ENGINE_SECRET_ENV, secret_env_vars, split_secrets
 from airflow_provider_rayllm.operators.batch import BatchOperator
 from airflow_provider_rayllm.spec import SpecError, map_guide_flags
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-HF_TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 GUIDE_FLAGS = ("apply_chat_template", "tokenize", "detokenize", "has_image", "chat_template")
 STAGES = ("chat_template_stage", "tokenize_stage", "detokenize_stage", "prepare_multimodal_stage")
 # Settings of an engine the job starts; with serve_deployment the deployment's own engine answers.
@@ -23,11 +23,6 @@ ENGINE_ONLY = (
     "lora_column",
     "accelerator_type",
 )
-
-
-def _guide_tokens(runtime_env: dict[str, Any] | None) -> dict[str, str]:
-    env_vars = (runtime_env or {}).get("env_vars") or {}
-    return {k: str(env_vars[k]) for k in HF_TOKEN_VARS if env_vars.get(k)}
 
 
 class VLLMBatchOperator(BatchOperator):
@@ -48,23 +43,25 @@ class VLLMBatchOperator(BatchOperator):
 
     def job_secrets(self) -> dict[str, str]:
         env = super().job_secrets()
-        # The guide's runtime_env={"env_vars": {"HF_TOKEN": ...}}: accepted, but the token travels as a job
-        # secret, not in the runtime_env that Ray shows. A connection (hf_conn_id) wins over it.
-        for name, value in _guide_tokens(self.runtime_env).items():
+        # The guide's runtime_env={"env_vars": {"HF_TOKEN": ...}} and a secret in engine_kwargs (vLLM's
+        # hf_token): accepted, but they travel as job secrets, not in what Ray shows or keeps in the spec.
+        # A connection (hf_conn_id) wins over them.
+        for name, value in {
+            **secret_env_vars(self.runtime_env)[1],
+            **split_secrets(self.engine_kwargs, ENGINE_SECRET_ENV)[1],
+        }.items():
             env.setdefault(name, value)
         return env
 
     def _engine_runtime_env(self) -> dict[str, Any] | None:
-        tokens = _guide_tokens(self.runtime_env)
-        if not tokens:
-            return self.runtime_env
-        self.log.warning(
-            "runtime_env.env_vars %s: moved to the job's secrets (Ray would show runtime_env env vars); "
-            "an Airflow connection passed as hf_conn_id keeps the token out of the DAG file too",
-            sorted(tokens),
-        )
-        env_vars = {k: v for k, v in self.runtime_env["env_vars"].items() if k not in HF_TOKEN_VARS}  # type: ignore[index]
-        return {**self.runtime_env, "env_vars": env_vars}  # type: ignore[dict-item]
+        kept, moved = secret_env_vars(self.runtime_env)
+        if moved:
+            self.log.warning(
+                "runtime_env.env_vars %s: moved to the job's secrets (Ray would show runtime_env env vars); "
+                "an Airflow connection passed as hf_conn_id keeps the token out of the DAG file too",
+                sorted(moved),
+            )
+        return kept
 
     def processor_body(self) -> dict[str, Any]:
         processor = self.section("processor")
@@ -75,6 +72,7 @@ class VLLMBatchOperator(BatchOperator):
             # The guide's has_image=True: images reach the engine through Ray's multimodal stage.
             processor["prepare_multimodal_stage"] = True
         processor["runtime_env"] = self._engine_runtime_env()
+        processor["engine_kwargs"], _ = split_secrets(processor["engine_kwargs"], ENGINE_SECRET_ENV)
         return processor
 
     def serve_body(self) -> dict[str, Any]:

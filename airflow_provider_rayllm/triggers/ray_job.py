@@ -54,7 +54,10 @@ class RayJobTrigger(BaseTrigger):
         return RayJobHook(ray_conn_id=self.ray_conn_id)
 
     def _event(self, status: str, message: str) -> TriggerEvent:
-        return TriggerEvent({"status": status, "submission_id": self.submission_id, "message": message})
+        # Ray's message for a failed job carries the tail of its log; the event is stored by Airflow, so it
+        # keeps the first line only (the operator reads the job's own error line from the log itself).
+        first_line = (message.strip().splitlines() or [""])[0][:500]
+        return TriggerEvent({"status": status, "submission_id": self.submission_id, "message": first_line})
 
     async def _log_progress(self, hook: RayJobHook, shown: dict[str, Any] | None) -> dict[str, Any] | None:
         try:

@@ -14,7 +14,7 @@ PARAMS = {
     "input_uri": Param("", type="string"),
     "output_uri": Param("", type="string"),
     "prompt_column": Param("prompt", type="string"),
-    "engine_kwargs": Param({"max_model_len": 256}, type="object"),
+    "engine_kwargs": Param({}, type="object"),
     "sql": Param("", type="string"),
     "job_runtime_env": Param({}, type="object"),
 }

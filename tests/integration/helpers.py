@@ -22,6 +22,8 @@ REPRODUCIBLE_ENGINE = {
     "max_num_batched_tokens": 2048,
     "gpu_memory_utilization": 0.15,
     "block_size": 32,
+    # The guide's model-loading section: load_format reaches the engine as given.
+    "load_format": "safetensors",
 }
 
 
@@ -170,13 +172,17 @@ def cpus_in_use(info: Any) -> tuple[float, float]:
 
 
 def check_demo_embeddings(manifest: dict[str, Any]) -> None:
-    """example_embeddings' eight sentences: 384-float unit vectors, each paraphrase pair closer than unrelated ones."""
+    """example_embeddings' sample sentences: 384-float unit vectors, each paraphrase pair closer than unrelated ones."""
     import numpy as np
 
+    from airflow_provider_rayllm.local.defaults import DEMO_SENTENCES
+
     assert manifest["task_type"] == "embed"
-    assert manifest["rows_in"] == manifest["rows_out"] == 8
+    assert manifest["rows_in"] == manifest["rows_out"] and manifest["rows_errored"] == 0
     assert manifest["output_tokens"] == 0 and manifest["input_tokens"] > 0
-    rows = {r["id"]: np.asarray(r["embedding"], dtype=np.float64) for r in read_rows(manifest["output_files"])}
+    by_text = {r["text"]: np.asarray(r["embedding"], dtype=np.float64) for r in read_rows(manifest["output_files"])}
+    samples = [json.loads(line)["text"] for line in DEMO_SENTENCES.read_text().splitlines() if line.strip()]
+    rows = {i: by_text[text] for i, text in enumerate(samples)}
     for vector in rows.values():
         assert vector.shape == (384,)
         assert abs(np.linalg.norm(vector) - 1.0) < 1e-3

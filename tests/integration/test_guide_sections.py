@@ -19,8 +19,30 @@ def _run(name: str, task_id: str, conf: dict, day: int):
     return xcom(dag.dag_id, dag_run.run_id, task_id, "return_value")
 
 
-def test_embeddings_are_unit_vectors_that_rank_paraphrases_first(ray_conn, airflow_db):
-    check_demo_embeddings(_run("example_embeddings", "embed", {}, 1))
+def test_the_guides_embeddings_stream_2048_rows_with_no_engine_kwargs(ray_conn, airflow_db):
+    """The guide's embeddings block as written (TaskFlow, its own preprocess and postprocess), no
+    engine_kwargs: the max_model_len default is fitted to MiniLM's 256 positions. Over 2,048 rows the first
+    output file is written while the engine still has rows to answer."""
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    rows = 2048
+    dag = load_dag("dags_examples", "example_embeddings", "example_embeddings")
+    fixed = len(dag.get_task("embed").python_callable.__globals__["GUIDE_TEXTS"]) + 8
+    manifest = _run("example_embeddings", "embed", {"filler_rows": rows - fixed}, 1)
+    assert manifest["rows_in"] == manifest["rows_out"] == rows
+    assert manifest["engine_kwargs"]["max_model_len"] == 256, "the profile's 2048 capped at the model's own limit"
+    check_demo_embeddings(manifest)
+    guide_row = next(r for r in read_rows(manifest["output_files"]) if r["text"] == "Hello world")
+    assert set(guide_row) == {"text", "embedding"}, "the guide's postprocess gives the output row, exactly"
+
+    timeline = manifest["timeline"]
+    assert timeline["first_output_file_s"] < timeline["last_answer_s"], timeline
+    log = RayJobHook().get_job_logs(manifest["submission_id"])
+    note = re.search(r"first output file written [\d.]+ s after the plan started \((\d+) rows answered", log)
+    assert note is not None, "the driver notes its first output file"
+    assert int(note.group(1)) < rows, "the first file was written before the engine answered every row"
+    assert note.start() < log.rindex("[vLLM] Elapsed time for batch"), "and before the engine's last batch"
+    assert len(manifest["output_files"]) >= 2
 
 
 def test_structured_outputs_parse_and_validate(ray_conn, airflow_db, smollm2):

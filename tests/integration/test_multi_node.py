@@ -104,7 +104,7 @@ def test_tensor_parallel_replicas_run_one_per_worker_node_and_embed_right(multi_
 
     dag = load_dag("dags_examples", "example_embeddings", "example_embeddings")
     conf = {
-        "engine_kwargs": {**dag.params["engine_kwargs"], "tensor_parallel_size": 2},
+        "engine_kwargs": {"tensor_parallel_size": 2},
         "concurrency": [2, 2],
         "placement_group_config": {"bundles": [{"CPU": 0.5, "rayllm_engine_node": 0.5}] * 2, "strategy": "STRICT_PACK"},
     }

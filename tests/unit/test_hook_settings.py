@@ -11,9 +11,20 @@ def conn(**kw):
     return Connection(conn_id="ray_test", conn_type="ray", **kw)
 
 
-def test_host_without_scheme_and_port():
-    s = RayConnSettings.from_connection(conn(host="ray-head.svc", port=8265))
-    assert s.address == "http://ray-head.svc:8265"
+def test_a_host_without_scheme_is_https_unless_it_is_this_machine():
+    assert RayConnSettings.from_connection(conn(host="ray-head.svc", port=8265)).address == "https://ray-head.svc:8265"
+    assert RayConnSettings.from_connection(conn(host="127.0.0.1", port=8265)).address == "http://127.0.0.1:8265"
+    assert RayConnSettings.from_connection(conn(host="localhost", port=8265)).address == "http://localhost:8265"
+
+
+def test_plain_http_to_another_machine_needs_the_connection_to_say_so():
+    with pytest.raises(RayLLMError, match="plain http to another machine") as err:
+        RayConnSettings.from_connection(conn(host="http://ray-head.svc:8265", password="s3cr3t-canary"))
+    assert "s3cr3t-canary" not in str(err.value) and "allow_insecure_http" in str(err.value)
+    trusted = RayConnSettings.from_connection(
+        conn(host="http://ray-head.svc:8265", extra='{"allow_insecure_http": true}')
+    )
+    assert trusted.address == "http://ray-head.svc:8265"
 
 
 def test_token_becomes_bearer_header_and_headers_merge():

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from airflow_provider_rayllm.contract import HTTP_API_KEY_ENV
+from airflow_provider_rayllm.contract import HTTP_API_KEY_ENV, HTTP_USERINFO_ENV, redact
 from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine, Shaper, count
 from airflow_provider_rayllm.job.engines.http_client import EndpointClient
 from airflow_provider_rayllm.job.errors import JobError
@@ -72,6 +72,7 @@ class HttpCaller:
         self.client = EndpointClient(
             url=self.http.url,
             api_key=os.environ.get(API_KEY_ENV),
+            userinfo=os.environ.get(HTTP_USERINFO_ENV),
             max_in_flight=self.http.max_in_flight,
             qps=self.http.qps_per_actor(),
             max_retries=self.http.max_retries,
@@ -170,7 +171,7 @@ class HttpEngine(Engine):
 
     def describe(self) -> str:
         h = self.http
-        return f"endpoint {h.url}, model {h.model}; {h.concurrency} actor(s) x {h.max_in_flight} in flight; qps cap {h.qps}"
+        return f"endpoint {redact(h.url)}, model {h.model}; {h.concurrency} actor(s) x {h.max_in_flight} in flight; qps cap {h.qps}"
 
     def block_rows(self) -> int:
         return self.http.batch_size
@@ -201,7 +202,7 @@ class HttpEngine(Engine):
 
     def details(self, totals: dict[str, Any]) -> dict[str, Any]:
         return {
-            "endpoint": self.http.url,
+            "endpoint": redact(self.http.url),
             "estimated_cost": cost(self.http, totals["input_tokens"], totals["output_tokens"]),
         }
 

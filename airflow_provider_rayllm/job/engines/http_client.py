@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from airflow_provider_rayllm.contract import redact
+
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 
 
@@ -87,11 +89,16 @@ class EndpointClient:
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
         extra_headers: dict[str, str] | None = None,
+        userinfo: str | None = None,
     ):
         self.url = url
         self.headers = {"Content-Type": "application/json", **(extra_headers or {})}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
+        elif userinfo:
+            import base64
+
+            self.headers["Authorization"] = "Basic " + base64.b64encode(userinfo.encode()).decode("ascii")
         self.semaphore = asyncio.Semaphore(max_in_flight)
         self.limiter = RateLimiter(qps)
         self.max_retries = max_retries
@@ -127,8 +134,14 @@ class EndpointClient:
         import aiohttp
 
         await self.limiter.wait()
-        async with self.session.post(self.url, data=json.dumps(payload)) as resp:
+        # Redirects are not followed: the key would go with the request to wherever the redirect points.
+        async with self.session.post(self.url, data=json.dumps(payload), allow_redirects=False) as resp:
             text = await resp.text()
+            if 300 <= resp.status < 400:
+                where = resp.headers.get("Location", "?")
+                return resp.status, {
+                    "__error__": f"redirected to {redact(where)}; redirects are not followed (the request carries the API key)"
+                }
             if resp.status in RETRY_STATUSES:
                 raise RetryableStatus(resp.status, _reason(text), parse_retry_after(resp.headers.get("Retry-After")))
             if resp.status >= 400:

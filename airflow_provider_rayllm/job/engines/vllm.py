@@ -9,6 +9,7 @@ import math
 import os
 from typing import Any, Callable
 
+from airflow_provider_rayllm.contract import SECRET_MARKER, redact
 from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine, Shaper, count, plain
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.progress import column_sum
@@ -150,9 +151,22 @@ def fit_to_model(model_source: str, user: dict[str, Any], kwargs: dict[str, Any]
         kwargs["max_model_len"] = limit
 
 
+def with_secrets(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """engine_kwargs with each secret the operator moved to the job's secrets put back in its place."""
+    out = {}
+    for name, value in engine_kwargs.items():
+        if isinstance(value, dict) and set(value) == {SECRET_MARKER}:
+            env = value[SECRET_MARKER]
+            if env not in os.environ:
+                raise JobError(f"engine_kwargs.{name}: its value was not in the job's secrets ({env} is unset)")
+            value = os.environ[env]
+        out[name] = value
+    return out
+
+
 def engine_kwargs_for(spec: VLLMProcessorSpec, profile: str) -> dict[str, Any]:
     defaults = CPU_ENGINE_DEFAULTS if profile == "cpu" else GPU_ENGINE_DEFAULTS
-    kwargs = {**defaults, **spec.engine_kwargs}
+    kwargs = {**defaults, **with_secrets(spec.engine_kwargs)}
     if profile == "cpu" and "dtype" not in spec.engine_kwargs and not cpu_has_native_half():
         kwargs["dtype"] = "float32"
         log.info(
@@ -274,7 +288,7 @@ def check_engine_kwargs(model_source: str, engine_kwargs: dict[str, Any]) -> Non
     try:
         EngineArgs(model=model_source, **{k: v for k, v in engine_kwargs.items() if k != "task_type"})
     except (TypeError, ValueError) as exc:
-        raise JobError(f"engine_kwargs: vLLM refuses {engine_kwargs!r}: {exc}") from exc
+        raise JobError(f"engine_kwargs: vLLM refuses {redact(engine_kwargs)!r}: {exc}") from exc
 
 
 def check_sampling_params(sampling_params: dict[str, Any]) -> None:
@@ -575,7 +589,7 @@ class VLLMEngine(Engine):
         stages = self.stages()
         return (
             f"vLLM engine for {self.p.model_source} ({self.p.task_type}), profile {self.profile} (cluster GPUs: {self.gpus:g}); "
-            f"engine_kwargs {self.engine_kwargs}; placement {self.placement}; {self.p.concurrency} replica(s), "
+            f"engine_kwargs {redact(self.engine_kwargs)}; placement {self.placement}; {self.p.concurrency} replica(s), "
             f"batches of {self.feed.batch_size} x {self.feed.max_concurrent_batches} in flight "
             f"(engine request cap {self.feed.max_pending_requests}); Ray stages besides the engine: {stages or 'none'}"
         )
@@ -616,7 +630,7 @@ class VLLMEngine(Engine):
             "placement_group_config": self.placement,
             "stages": self.stages(),
         }
-        details = {"resource_profile": self.profile, "engine_kwargs": self.engine_kwargs, "feed": feed}
+        details = {"resource_profile": self.profile, "engine_kwargs": redact(self.engine_kwargs), "feed": feed}
         return {**details, **self.cost(totals)}
 
     def cost(self, totals: dict[str, Any]) -> dict[str, Any]:
