@@ -273,6 +273,15 @@ class PromptSpec(_Strict):
         "http(s) / data: URL) for a vision-language model; it goes into the user message before the text.",
     )
 
+    image_max_bytes: int = Field(
+        20 << 20, ge=1, description="Largest image (bytes) an image_column cell may give; a larger one is an error row."
+    )
+    image_allow_private_hosts: bool = Field(
+        False,
+        description="Fetch image_column URLs from loopback, link-local and private addresses too (refused by "
+        "default: a URL from the data must not reach into the cluster's own network).",
+    )
+
     @model_validator(mode="after")
     def _one_way(self) -> PromptSpec:
         ways = [

@@ -135,9 +135,72 @@ _IMAGE_FORMATS = {
 }
 
 
-def image_url(value: Any) -> str:
-    """An image cell as a URL the engine's multimodal stage fetches: http(s) and data: URLs pass as they
-    are; bytes, paths and bucket URIs are read here, checked to be an image, and sent as a data: URL."""
+def _check_public_host(url: str, allow_private: bool) -> None:
+    """A URL the job would fetch must not reach into the cluster's own network (loopback, link-local such
+    as a cloud metadata endpoint, private ranges) unless the task allows it."""
+    import ipaddress
+    import socket
+    import urllib.parse
+
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if allow_private:
+        return
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError as exc:
+        raise ValueError(f"image URL host {host!r} does not resolve: {exc}") from None
+    for address in addresses:
+        ip = ipaddress.ip_address(address.split("%")[0])
+        if (
+            ip.is_private
+            or ip.is_loopback
+            or ip.is_link_local
+            or ip.is_reserved
+            or ip.is_multicast
+            or ip.is_unspecified
+        ):
+            raise ValueError(
+                f"image URL {url!r} points at {address} (a loopback, link-local or private address); "
+                "set image_allow_private_hosts=True to fetch from such hosts"
+            )
+
+
+def _read_capped(stream: Any, limit: int, what: str) -> bytes:
+    data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{what} is larger than image_max_bytes={limit}")
+    return data
+
+
+def _fetch(url: str, limit: int, allow_private: bool) -> bytes:
+    import urllib.error
+    import urllib.request
+
+    _check_public_host(url, allow_private)
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):  # a redirect could lead to a private host
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    opener = urllib.request.build_opener(NoRedirect)
+    try:
+        with opener.open(
+            urllib.request.Request(url, headers={"User-Agent": "airflow-provider-rayllm"}), timeout=30
+        ) as resp:
+            length = resp.headers.get("Content-Length")
+            if length and length.isdigit() and int(length) > limit:
+                raise ValueError(f"image {url!r} is {length} bytes, larger than image_max_bytes={limit}")
+            return _read_capped(resp, limit, f"image {url!r}")
+    except urllib.error.HTTPError as exc:
+        raise ValueError(f"image {url!r}: HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ValueError(f"image {url!r} cannot be fetched: {exc}") from None
+
+
+def image_url(value: Any, max_bytes: int = 20 << 20, allow_private: bool = False) -> str:
+    """An image cell as a data: URL for the engine's multimodal stage. Bytes, paths, bucket URIs and http(s)
+    URLs are read here, at most ``max_bytes`` each (a URL's host must be public unless ``allow_private``),
+    and checked to be an image; a data: URL passes as it is."""
     import base64
     import io as _io
 
@@ -146,19 +209,24 @@ def image_url(value: Any) -> str:
     if _is_empty(value):
         raise ValueError("the image cell is empty")
     if isinstance(value, str):
-        if value.startswith(("http://", "https://", "data:image/")):
+        if value.startswith("data:image/"):
             return value
-        from airflow_provider_rayllm.job import io as job_io
+        if value.startswith(("http://", "https://")):
+            value = _fetch(value, max_bytes, allow_private)
+        else:
+            from airflow_provider_rayllm.job import io as job_io
 
-        fs, path = job_io.filesystem_for(value)
-        try:
-            with fs.open_input_stream(path) as stream:
-                value = stream.read()
-        except OSError as exc:
-            raise ValueError(f"image {value!r} cannot be read: {exc}") from None
+            fs, path = job_io.filesystem_for(value)
+            try:
+                with fs.open_input_stream(path) as stream:
+                    value = _read_capped(stream, max_bytes, f"image {value!r}")
+            except OSError as exc:
+                raise ValueError(f"image {value!r} cannot be read: {exc}") from None
     if not isinstance(value, (bytes, bytearray, memoryview)):
         raise ValueError(f"the image cell holds {type(value).__name__}, not bytes, a path or a URL")
     data = bytes(value)
+    if len(data) > max_bytes:
+        raise ValueError(f"the image is {len(data)} bytes, larger than image_max_bytes={max_bytes}")
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -227,7 +295,7 @@ class RequestBuilder:
                     messages.append({"role": "system", "content": p.system_prompt})
                 text = self._text(row)
                 if p.image_column is not None:
-                    url = image_url(row.get(p.image_column))
+                    url = image_url(row.get(p.image_column), p.image_max_bytes, p.image_allow_private_hosts)
                     messages.append(
                         {
                             "role": "user",

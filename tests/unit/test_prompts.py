@@ -134,7 +134,7 @@ def _png(color=(200, 10, 10)) -> bytes:
     return buf.getvalue()
 
 
-def test_image_cells_become_data_urls_and_urls_pass_through(tmp_path):
+def test_image_cells_become_data_urls(tmp_path):
     import base64
 
     from airflow_provider_rayllm.job.requests import image_url
@@ -145,8 +145,78 @@ def test_image_cells_become_data_urls_and_urls_pass_through(tmp_path):
     assert image_url({"bytes": data, "path": None}) == expected
     (tmp_path / "a.png").write_bytes(data)
     assert image_url(str(tmp_path / "a.png")) == expected
-    assert image_url("https://example.com/cat.jpg") == "https://example.com/cat.jpg"
     assert image_url(expected) == expected
+
+
+def test_an_image_url_is_fetched_with_a_cap_and_never_from_the_clusters_own_network():
+    """A URL in the data is fetched by the job itself: from loopback, link-local (cloud metadata) or private
+    addresses only when the task allows it, and never more than image_max_bytes."""
+    import base64
+    import http.server
+    import threading
+
+    from airflow_provider_rayllm.job.requests import image_url
+
+    data = _png()
+
+    class Serve(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = data if self.path == "/cat.png" else b"x" * 4096
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Serve)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ValueError, match="loopback, link-local or private"):
+            image_url(f"{base}/cat.png")
+        with pytest.raises(ValueError, match="169.254.169.254"):
+            image_url("http://169.254.169.254/latest/meta-data/")
+        fetched = image_url(f"{base}/cat.png", allow_private=True)
+        assert fetched == "data:image/png;base64," + base64.b64encode(data).decode()
+        with pytest.raises(ValueError, match="larger than image_max_bytes=1000"):
+            image_url(f"{base}/big.png", max_bytes=1000, allow_private=True)
+    finally:
+        server.shutdown()
+
+
+def test_an_endless_file_is_an_error_not_an_out_of_memory():
+    from airflow_provider_rayllm.job.requests import image_url
+
+    with pytest.raises(ValueError, match="larger than image_max_bytes=65536"):
+        image_url("/dev/zero", max_bytes=65536)
+
+
+def test_a_pil_image_in_a_preprocess_request_becomes_a_data_url(tmp_path):
+    """The guide's VLM preprocess puts Image.open(...) into the message."""
+    import json as _json
+
+    from PIL import Image
+
+    from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, RequestBuilder
+    from airflow_provider_rayllm.spec import PromptSpec
+
+    def preprocess(row):
+        from io import BytesIO
+
+        return {
+            "messages": [{"role": "user", "content": [{"type": "image", "image": Image.open(BytesIO(row["img"]))}]}]
+        }
+
+    import cloudpickle
+
+    (tmp_path / "pre.pkl").write_bytes(cloudpickle.dumps(preprocess))
+    prompt = PromptSpec(preprocess={"pickled": "pre.pkl"})
+    out = RequestBuilder(prompt, "generate", ["id"], str(tmp_path))({"id": 1, "img": _png()})
+    assert out[PRE_ERROR] == ""
+    (part,) = _json.loads(out[REQUEST])["messages"][0]["content"]
+    assert part["type"] == "image" and part["image"].startswith("data:image/png;base64,")
 
 
 @pytest.mark.parametrize(

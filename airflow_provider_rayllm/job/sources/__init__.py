@@ -35,7 +35,7 @@ def open_input(spec: JobSpec) -> Input:
         columns, has_rows = sql.probe(source)
         where = "the query"
         description = f"{source.dialect} query with columns {columns}"
-        ds = sql.read(source) if has_rows else None
+        ds = sql.read(source, columns) if has_rows else None
     else:
         from airflow_provider_rayllm.job.sources import files
 

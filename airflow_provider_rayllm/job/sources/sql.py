@@ -64,11 +64,19 @@ def _stable_hash(value: Any) -> int:
     return zlib.crc32(str(value).encode("utf-8"))
 
 
-def shard_keys_for(dialect: str, keys: list[str]) -> list[str]:
-    """PostgreSQL's hashtext takes text: each key is cast (CONCAT of several gives text too)."""
-    if dialect == "postgresql":
-        return [f"({key})::text" for key in keys]
-    return list(keys)
+_CAST_TO_TEXT = {"postgresql": "TEXT", "mysql": "CHAR", "sqlite": "TEXT"}
+
+
+def shard_keys_for(dialect: str, keys: list[str], columns: list[str]) -> list[str]:
+    """Each key as SQL for Ray's sharded read (``MOD(ABS(hash(CONCAT(keys))), n) = i``): a column of the
+    query, quoted for the dialect (a key is never SQL of its own), cast to text (the hash functions take
+    text), and never NULL, so a row with a NULL key falls in a shard too instead of in none."""
+    from airflow_provider_rayllm.job.sinks.table import quote
+
+    unknown = [k for k in keys if k not in columns]
+    if unknown:
+        raise JobError(f"sql_shard_keys {unknown!r} are not columns of the query; its columns: {columns!r}")
+    return [f"COALESCE(CAST({quote(key, dialect)} AS {_CAST_TO_TEXT[dialect]}), '')" for key in keys]
 
 
 def probe(source: SqlSource) -> tuple[list[str], bool]:
@@ -90,14 +98,14 @@ def probe(source: SqlSource) -> tuple[list[str], bool]:
         conn.close()
 
 
-def read(source: SqlSource) -> Any:
+def read(source: SqlSource, columns: list[str]) -> Any:
     import ray.data
 
     from airflow_provider_rayllm.job.engines.base import LIGHT
 
     kwargs: dict[str, Any] = {"num_cpus": LIGHT["num_cpus"]}
     if source.shard_keys:
-        kwargs["shard_keys"] = shard_keys_for(source.dialect, source.shard_keys)
+        kwargs["shard_keys"] = shard_keys_for(source.dialect, source.shard_keys, columns)
         kwargs["shard_hash_fn"] = SHARD_HASH.get(source.dialect, "MD5")
         if source.parallelism:
             kwargs["override_num_blocks"] = source.parallelism
