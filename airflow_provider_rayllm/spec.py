@@ -310,10 +310,13 @@ class PromptSpec(_Strict):
     def template_columns(self) -> list[str]:
         if self.template is None:
             return []
+        literal = "write literal braces doubled ({{ and }}), e.g. 'as {{\"answer\": ...}} about {text}'"
         try:
             fields = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
         except ValueError as exc:
-            raise SpecError(f"prompt.template {self.template!r} is not a valid format string: {exc}") from exc
+            raise SpecError(
+                f"prompt.template {self.template!r} is not a valid format string ({exc}); {literal}"
+            ) from exc
         names = []
         for field in fields:
             name = re.split(r"[.\[]", field, maxsplit=1)[0]
@@ -321,6 +324,8 @@ class PromptSpec(_Strict):
                 raise SpecError(
                     f"prompt.template {self.template!r} has a positional field {{{field}}}; name a column instead"
                 )
+            if not name.isidentifier():
+                raise SpecError(f"prompt.template {self.template!r}: {{{field}}} is not a column name; {literal}")
             names.append(name)
         return sorted(set(names))
 
@@ -792,6 +797,9 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return ".".join(p for p in parts if not p.startswith("function-"))
 
 
+_SPEC_PATH = re.compile(r"\b(?:source|prompt|processor|sink|limits|http|serve|upload)\.[a-z_]+\b")
+
+
 def format_validation_error(exc: ValidationError, rename: Callable[[str], str] | None = None) -> str:
     """One clause per problem: the field (as the user named it), what is wrong, and the value given."""
     clauses = []
@@ -803,6 +811,12 @@ def format_validation_error(exc: ValidationError, rename: Callable[[str], str] |
             clauses.append(f"{field}: unknown setting (value {value!r})")
             continue
         msg = err["msg"].removeprefix("Value error, ")
+        if path == "spec":
+            # A check across fields names its fields in the message: name them as the user wrote them.
+            if rename:
+                msg = _SPEC_PATH.sub(lambda m: rename(m.group(0)), msg)
+            clauses.append(msg)
+            continue
         shown = "" if isinstance(value, dict) or "input" not in err else f" (got {value!r})"
         clauses.append(f"{field}: {msg}{shown}")
     return "; ".join(clauses)

@@ -51,13 +51,27 @@ class Faulty:
     def __init__(self):
         self.arrivals = []
         self.seen = {}
+        self.in_flight = self.most_in_flight = 0
+        self.redirect_to = ""
 
     async def handle(self, request):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            return await self._answer(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, request):
         body = await request.json()
         mode = body["mode"]
         self.arrivals.append(time.monotonic())
         self.seen[mode] = self.seen.get(mode, 0) + 1
         n = self.seen[mode]
+        if mode == "redirect":
+            return web.Response(status=307, headers={"Location": self.redirect_to})
+        if mode.startswith("hold"):
+            await asyncio.sleep(0.2)
         if request.headers.get("Authorization") != "Bearer k-123":
             return web.json_response({"error": {"message": "bad key"}}, status=401)
         if mode == "429-then-ok" and n == 1:
@@ -150,8 +164,26 @@ async def test_total_wait_is_capped(server):
 async def test_requests_run_concurrently_within_in_flight_bound(server):
     faulty, url = server
     async with client(url, max_in_flight=4) as c:
-        results = await asyncio.gather(*(c.call({"mode": f"r{i}"}) for i in range(12)))
+        results = await asyncio.gather(*(c.call({"mode": f"hold{i}"}) for i in range(12)))
     assert all(r.ok for r in results)
+    assert faulty.most_in_flight == 4, "as many at once as allowed, never more"
+
+
+@pytest.mark.asyncio
+async def test_a_redirect_is_not_followed_so_the_key_stays_with_its_host(server):
+    faulty, url = server
+    thief = Faulty()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", thief.handle)
+    runner, port = await start_app(app)
+    try:
+        faulty.redirect_to = f"http://127.0.0.1:{port}/v1/chat/completions"
+        async with client(url) as c:
+            result = await c.call({"mode": "redirect"})
+    finally:
+        await runner.cleanup()
+    assert not result.ok and result.status == 307 and "redirects are not followed" in result.error
+    assert thief.seen == {}, "the other host received nothing (and so no key)"
 
 
 @pytest.mark.asyncio
