@@ -28,3 +28,11 @@ bench: setup
 	$(PY) benchmarks/scale_bench.py
 	$(PY) benchmarks/load_bench.py
 	$(PY) benchmarks/report.py
+
+# The lent H200 machine: builds .gpu/ (git-ignored; skipped when complete and up to date) and prints the calls
+# to send. It runs nothing on a GPU; benchmarks/gpu/plan.md says how the results come back.
+.PHONY: bench-gpu
+bench-gpu: setup
+	bash benchmarks/gpu/build_site.sh
+	@cat benchmarks/gpu/plan.md
+	@echo; echo "Measured carry per call (this build):"; cat .gpu/scripts/calls.txt

@@ -1,0 +1,181 @@
+#!/bin/bash
+# Run on the lent GPU machine in EVERY call, from the repository root:
+#     [PHASES="..."] [BUDGET_S=550] bash benchmarks/gpu/go.sh
+# It copies the carried pieces (.gpu/cNN) to /tmp/gpu/chunks, assembles /tmp/site once all site pieces are
+# there and /tmp/gpu/minilm once all MiniLM pieces are there, then runs the phases of $PHASES that are not done
+# yet and whose inputs have arrived, within BUDGET_S seconds (state in /tmp/gpu/state, so the next call on the
+# same warm machine continues). Between phases it kills processes left on the GPU and prints GPU memory used.
+# At the end $OUT gets: results.json (all phases so far), go.log (this call), gpu.csv, logs/<job phase>.log.
+#
+# Phases (default order):
+#   envcheck        versions, where each module comes from, the imports our driver and the Ray head need
+#   offline         vLLM LLM.chat, N prompts x ~200 tokens in, 256 out, ignore_eos, greedy, dummy 8B weights,
+#                   max_num_seqs/max_num_batched_tokens given explicitly (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS)
+#   head            `ray start --head` (free ports, dashboard on 127.0.0.1, usage stats off, RAY_AUTH)
+#   ourjob_gen      our driver through the Jobs API, same rows, the project's GPU defaults
+#   ourjob_embed    our driver, MiniLM, task_type embed, the project's GPU defaults (+ a check against
+#                   sentence-transformers)
+#   offline_embed   vLLM LLM.embed with MiniLM, EMBED_N rows
+#   ourjob_gen_matched  our driver with max_num_seqs/max_num_batched_tokens as offline, batch 128 x 16
+# Optional: offline_generate (LLM.generate, no chat template), ourjob_embed_nochunk (chunked prefill and
+#   prefix caching off for MiniLM), gputests (stub), stop_head. FORCE="phase ..." runs done phases again.
+# A phase that failed twice is not tried again (unless named in FORCE); envcheck counts as done once run.
+START=$(date +%s); BUDGET_S=${BUDGET_S:-550}; DEADLINE=$((START + BUDGET_S))
+PHASES=${PHASES:-envcheck offline head ourjob_gen ourjob_embed offline_embed ourjob_gen_matched}
+[ "$PHASES" = none ] && PHASES=""   # only collect and unpack the pieces
+REPO=$PWD; HERE=$REPO/benchmarks/gpu
+export GPUW=${GPUW:-/tmp/gpu}; W=$GPUW; export SITE=/tmp/site
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W/chunks" "$W/state" "$W/logs" "$W/bin"
+exec > >(tee -a "$W/go.log" "$OUT/go.log") 2>&1
+left() { echo $(( DEADLINE - $(date +%s) )); }
+echo "== go.sh start $(date -u +%FT%TZ) host=$(hostname) budget=${BUDGET_S}s phases: $PHASES"
+
+finish() {
+  # Everything we want back, at most 8 files: results.json, go.log, gpu.csv, up to 5 job logs.
+  cp -f "$W/results.json" "$OUT/" 2>/dev/null
+  [ -f "$W/gpu.csv" ] && tail -c 8000000 "$W/gpu.csv" > "$OUT/gpu.csv"
+  mkdir -p "$OUT/logs"
+  ls -t "$W"/logs/ourjob*.log 2>/dev/null | grep -v '\.full\.log$' | head -5 | while read -r f; do
+    tail -c 4000000 "$f" > "$OUT/logs/$(basename "$f")"; done
+  rmdir "$OUT/logs" 2>/dev/null
+  echo "== go.sh end $(date -u +%FT%TZ): done: $(ls "$W/state" | grep '^done_' | sed 's/done_//' | tr '\n' ' ')"
+  echo "== $(left) s of the budget left; GPU memory used: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"
+  sleep 1
+}
+trap finish EXIT
+
+# --- 1. the carried pieces ------------------------------------------------------------------------------------
+if [ -f .gpu/scripts/STAMP ]; then
+  if [ -f "$W/STAMP" ] && ! cmp -s .gpu/scripts/STAMP "$W/STAMP"; then
+    echo "== a new build (.gpu/scripts/STAMP changed): dropping the old pieces and unpacked folders"
+    rm -rf "$W/chunks"/* "$W/state/extracted_site" "$W/state/extracted_minilm" /tmp/site "$W/minilm" "$W/model"
+  fi
+  cp -f .gpu/scripts/{STAMP,NPARTS,SITE_PARTS,MINILM_PARTS,SHA256SUMS,WHOLE_SHA256SUMS} "$W/" 2>/dev/null
+fi
+[ -f "$W/SITE_PARTS" ] || { echo "== no .gpu/scripts carried yet (carry .gpu/scripts with every call)"; exit 1; }
+for d in .gpu/c[0-9][0-9]; do
+  [ -d "$d" ] || continue
+  for f in "$d"/*.part*; do
+    [ -f "$f" ] || continue
+    want=$(awk -v n="$(basename "$d")/$(basename "$f")" '$2 == n {print $1}' "$W/SHA256SUMS")
+    got=$(sha256sum "$f" | cut -c1-64)
+    if [ "$got" = "$want" ]; then cp -f "$f" "$W/chunks/"; echo "== piece $d/$(basename "$f") ok ($(stat -c %s "$f") bytes)";
+    else echo "== piece $d/$(basename "$f") BAD checksum ($got, want $want): send that call again"; fi
+  done
+  if [ -d "$d/model" ]; then rm -rf "$W/model" && cp -r "$d/model" "$W/model" && echo "== model folder from $d"; fi
+done
+NSITE=$(cat "$W/SITE_PARTS"); NMINI=$(cat "$W/MINILM_PARTS")
+HAVE_SITE=$(ls "$W"/chunks/site.tgz.part* 2>/dev/null | wc -l); HAVE_MINI=$(ls "$W"/chunks/minilm.tgz.part* 2>/dev/null | wc -l)
+echo "== pieces here: site $HAVE_SITE/$NSITE, minilm $HAVE_MINI/$NMINI; model folder: $([ -d "$W/model" ] && echo yes || echo no); $(df -h /tmp | tail -1 | awk '{print $4}') free in /tmp"
+
+assemble() {  # name target_dir
+  local name=$1 t
+  t=$(date +%s)
+  want=$(awk -v n="$name.tgz" '$2 == n {print $1}' "$W/WHOLE_SHA256SUMS")
+  got=$(cat "$W"/chunks/"$name".tgz.part* | sha256sum | cut -c1-64)
+  [ "$got" = "$want" ] || { echo "== $name.tgz does not reassemble ($got != $want)"; return 1; }
+  cat "$W"/chunks/"$name".tgz.part* | tar xzf - -C "$2" || { echo "== EXTRACT $name FAILED"; return 1; }
+  touch "$W/state/extracted_$name"
+  echo "== $name unpacked in $(( $(date +%s) - t )) s"
+}
+if [ ! -e "$W/state/extracted_site" ] && [ "$HAVE_SITE" -ge "$NSITE" ]; then
+  rm -rf /tmp/site; assemble site /tmp && du -sh /tmp/site
+fi
+if [ ! -e "$W/state/extracted_minilm" ] && [ "$HAVE_MINI" -ge "$NMINI" ]; then
+  rm -rf "$W/minilm"; assemble minilm "$W" && du -sh "$W/minilm"
+fi
+if [ ! -e "$W/state/extracted_site" ]; then echo "== waiting for more pieces (send the next call)"; exit 0; fi
+
+# vLLM 0.26 evaluates dataclass annotations that name llguidance / xgrammar / lmformatenforcer (LazyLoader
+# modules) at import time; those optional packages are not carried, so make the annotations lazy instead.
+for f in backend_guidance backend_xgrammar backend_lm_format_enforcer; do
+  p=/tmp/site/vllm/v1/structured_output/$f.py
+  [ -f "$p" ] && { grep -q "^from __future__ import annotations" "$p" || sed -i '3i from __future__ import annotations' "$p"; }
+done
+
+# --- 2. environment -----------------------------------------------------------------------------------------
+# The operator's entrypoint says `python`: make sure that is the image's python3 (the one with torch). A wrapper,
+# not a symlink: a venv's interpreter reached through a symlink elsewhere loses the venv's site-packages.
+PY3=$(python3 -c 'import sys; print(sys.executable)')   # the interpreter itself, not a shim in front of it
+rm -f "$W/bin/python"   # never write through an old symlink
+printf '#!/bin/sh\nexec %s "$@"\n' "$PY3" > "$W/bin/python"; chmod +x "$W/bin/python"
+export PATH=$W/bin:$PATH
+export PYTHONPATH=/tmp/site:$REPO PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false \
+  VLLM_USE_FLASHINFER_SAMPLER=0 OUT BENCH_MODEL=$W/model
+N=${N:-2048}; EMBED_N=${EMBED_N:-8192}; EMBED_IN_TOKENS=${EMBED_IN_TOKENS:-100}
+MAX_NUM_SEQS=${MAX_NUM_SEQS:-1024}; MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-16384}
+python3 - <<EOF
+import json, os, sys, time
+sys.path.insert(0, "$HERE")
+import common
+d = common.load_results()
+d.setdefault("calls", []).append({"start": $START, "budget_s": $BUDGET_S, "phases": "$PHASES",
+    "host": os.uname().nodename, "git": os.popen("git -C $REPO rev-parse --short HEAD 2>/dev/null").read().strip(),
+    "workload": {"N": $N, "EMBED_N": $EMBED_N, "MAX_NUM_SEQS": $MAX_NUM_SEQS, "MAX_NUM_BATCHED_TOKENS": $MAX_NUM_BATCHED_TOKENS}})
+common.save_results(d)
+EOF
+
+# --- 3. phases ----------------------------------------------------------------------------------------------
+need_s() {  # rough seconds a phase needs (it is not started with less left)
+  case $1 in envcheck) echo 80 ;; offline|offline_generate) echo 200 ;; head|stop_head) echo 45 ;;
+    ourjob_gen|ourjob_gen_matched) echo 260 ;; offline_embed) echo 110 ;; ourjob_embed*) echo 200 ;;
+    gputests) echo 120 ;; *) echo 60 ;; esac
+}
+needs_minilm() { case $1 in *embed*) return 0 ;; *) return 1 ;; esac; }
+run_phase() {  # phase timeout_s
+  local p=$1 T=$2
+  case $p in
+    envcheck) timeout -k 20 "$T" python3 "$HERE/envcheck.py" ;;
+    offline) timeout -s INT -k 30 "$T" python3 "$HERE/bench_offline.py" --phase offline --mode chat --n "$N" \
+        --max-num-seqs "$MAX_NUM_SEQS" --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --model "$W/model" ;;
+    offline_generate) timeout -s INT -k 30 "$T" python3 "$HERE/bench_offline.py" --phase offline_generate --mode generate \
+        --n "$N" --max-num-seqs "$MAX_NUM_SEQS" --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --model "$W/model" ;;
+    offline_embed) timeout -s INT -k 30 "$T" python3 "$HERE/bench_offline.py" --phase offline_embed --mode embed \
+        --n "$EMBED_N" --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" ;;
+    head) timeout -k 20 "$T" python3 "$HERE/ray_head.py" start ;;
+    stop_head) timeout -k 20 "$T" python3 "$HERE/ray_head.py" stop ;;
+    ourjob_gen) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_gen --task generate --n "$N" \
+        --model "$W/model" --deadline $(( $(date +%s) + T - 60 )) ;;
+    ourjob_gen_matched) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_gen_matched --task generate --n "$N" \
+        --model "$W/model" --engine-kwargs "{\"max_num_seqs\": $MAX_NUM_SEQS, \"max_num_batched_tokens\": $MAX_NUM_BATCHED_TOKENS}" \
+        --batch-size 128 --max-concurrent-batches 16 --deadline $(( $(date +%s) + T - 60 )) ;;
+    ourjob_embed) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_embed --task embed --n "$EMBED_N" \
+        --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" --deadline $(( $(date +%s) + T - 60 )) ;;
+    ourjob_embed_nochunk) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_embed_nochunk --task embed \
+        --n "$EMBED_N" --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" \
+        --engine-kwargs '{"enable_chunked_prefill": false, "enable_prefix_caching": false}' --deadline $(( $(date +%s) + T - 60 )) ;;
+    gputests)  # TODO: the project's gpu-marked tests need Airflow, which the device image lacks
+      if python3 -c "import airflow, pytest" 2>/dev/null; then
+        timeout -k 20 "$T" python3 -m pytest ${GPUTESTS_PATH:-tests} -m gpu -x -p no:cacheprovider
+      else
+        echo "gputests: not run: $(python3 -c 'import airflow' 2>&1 | tail -1) (carry Airflow's wheels to run them)"
+        python3 "$HERE/common.py" note gputests "not run: airflow is not importable on the device"
+      fi ;;
+    *) echo "unknown phase $p"; return 2 ;;
+  esac
+}
+for phase in $PHASES; do
+  forced=0; [[ " ${FORCE:-} " == *" $phase "* ]] && forced=1
+  if [ -e "$W/state/done_$phase" ] && [ $forced = 0 ]; then continue; fi
+  tries=$(cat "$W/state/tries_$phase" 2>/dev/null || echo 0)
+  if [ "$tries" -ge 2 ] && [ $forced = 0 ]; then echo "== $phase failed twice: not tried again (FORCE=$phase to retry)"; continue; fi
+  if needs_minilm "$phase" && [ ! -e "$W/state/extracted_minilm" ]; then echo "== $phase waits for the MiniLM pieces"; continue; fi
+  L=$(left); NEED=$(need_s "$phase")
+  if [ "$L" -lt "$NEED" ]; then echo "== $phase needs ~$NEED s, $L s left: next call"; continue; fi
+  echo "== phase $phase ($L s left) $(date -u +%T)"
+  echo $((tries + 1)) > "$W/state/tries_$phase"
+  t=$(date +%s)
+  set -o pipefail
+  run_phase "$phase" $((L - 15)) 2>&1 | tee "$W/logs/$phase.out"
+  rc=$?
+  set +o pipefail
+  dt=$(( $(date +%s) - t ))
+  if [ $rc -eq 0 ]; then st=ok; else st="failed rc=$rc"; fi
+  if [ $rc -eq 0 ] || [ "$phase" = envcheck ]; then touch "$W/state/done_$phase"; fi
+  echo "== phase $phase: $st in $dt s"
+  python3 "$HERE/common.py" phase-status "$phase" "$st" "$dt"
+  case $phase in offline*) python3 "$HERE/common.py" vllm-log "$phase" "$W/logs/$phase.out" ;; esac
+  # Nothing may stay on the GPU between phases (the Ray head itself holds none).
+  python3 "$HERE/common.py" gpu-clean "$phase"
+done
