@@ -38,7 +38,13 @@ def main() -> int:
     ap.add_argument("--model", default=os.environ.get("BENCH_MODEL", os.path.join(common.W, "model")))
     args = ap.parse_args()
 
-    res: dict = {"ok": False, "mode": args.mode, "n_prompts": args.n, "max_tokens": args.max_tokens, "model": args.model}
+    res: dict = {
+        "ok": False,
+        "mode": args.mode,
+        "n_prompts": args.n,
+        "max_tokens": args.max_tokens,
+        "model": args.model,
+    }
     mon = common.GpuMon(args.phase)
     llm = None
     try:
@@ -55,9 +61,16 @@ def main() -> int:
         if args.mode == "embed":  # a real small model (MiniLM) with vLLM's own defaults for it
             kw = dict(model=args.model, seed=0, gpu_memory_utilization=args.gpu_memory_utilization)
         else:
-            kw = dict(model=args.model, load_format="dummy", max_model_len=args.max_model_len, dtype="bfloat16",
-                      gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
-                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+            kw = dict(
+                model=args.model,
+                load_format="dummy",
+                max_model_len=args.max_model_len,
+                dtype="bfloat16",
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                seed=0,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+            )
         if args.enforce_eager:
             kw["enforce_eager"] = True
         res["llm_kwargs"] = kw
@@ -67,9 +80,12 @@ def main() -> int:
         try:
             sc = llm.llm_engine.vllm_config.scheduler_config
             cc = llm.llm_engine.vllm_config.cache_config
-            res["scheduler"] = {"max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
-                                "chunked_prefill": getattr(sc, "enable_chunked_prefill", None),
-                                "prefix_caching": getattr(cc, "enable_prefix_caching", None)}
+            res["scheduler"] = {
+                "max_num_seqs": sc.max_num_seqs,
+                "max_num_batched_tokens": sc.max_num_batched_tokens,
+                "chunked_prefill": getattr(sc, "enable_chunked_prefill", None),
+                "prefix_caching": getattr(cc, "enable_prefix_caching", None),
+            }
         except Exception as exc:  # only informative
             res["scheduler_error"] = repr(exc)
 
@@ -83,25 +99,46 @@ def main() -> int:
         tw = time.time()
         run(prompts[:64], None if args.mode == "embed" else SamplingParams(max_tokens=16, temperature=0))
         res["warmup_s"] = round(time.time() - tw, 2)
-        sp = None if args.mode == "embed" else SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0)
+        sp = (
+            None if args.mode == "embed" else SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0)
+        )
         t2 = time.time()
         outs = run(prompts, sp)
         t3 = time.time()
         n_in = sum(len(o.prompt_token_ids or []) for o in outs)
         if args.mode == "embed":
             dim = len(outs[0].outputs.embedding)
-            res.update(ok=True, gen_s=round(t3 - t2, 3), rows=len(outs), input_tokens=n_in, dim=dim,
-                       avg_prompt_tokens=n_in / len(outs), rows_per_s=len(outs) / (t3 - t2),
-                       input_tok_per_s=n_in / (t3 - t2), gpu_during_gen=mon.summary(t2, t3), gen_window=[t2, t3])
+            res.update(
+                ok=True,
+                gen_s=round(t3 - t2, 3),
+                rows=len(outs),
+                input_tokens=n_in,
+                dim=dim,
+                avg_prompt_tokens=n_in / len(outs),
+                rows_per_s=len(outs) / (t3 - t2),
+                input_tok_per_s=n_in / (t3 - t2),
+                gpu_during_gen=mon.summary(t2, t3),
+                gen_window=[t2, t3],
+            )
             print(f"RESULT_OFFLINE {args.phase}: {len(outs)} embeddings (dim {dim}) in {t3 - t2:.2f} s", flush=True)
         else:
             n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-            res.update(ok=True, gen_s=round(t3 - t2, 3), output_tokens=n_out, input_tokens=n_in,
-                       avg_prompt_tokens=n_in / len(outs), output_tok_per_s=n_out / (t3 - t2),
-                       total_tok_per_s=(n_out + n_in) / (t3 - t2), gpu_during_gen=mon.summary(t2, t3),
-                       gen_window=[t2, t3], sample_text=outs[0].outputs[0].text[:80])
-            print(f"RESULT_OFFLINE {args.phase}: {n_out} tokens out in {t3 - t2:.1f} s = {n_out / (t3 - t2):,.0f} tok/s",
-                  flush=True)
+            res.update(
+                ok=True,
+                gen_s=round(t3 - t2, 3),
+                output_tokens=n_out,
+                input_tokens=n_in,
+                avg_prompt_tokens=n_in / len(outs),
+                output_tok_per_s=n_out / (t3 - t2),
+                total_tok_per_s=(n_out + n_in) / (t3 - t2),
+                gpu_during_gen=mon.summary(t2, t3),
+                gen_window=[t2, t3],
+                sample_text=outs[0].outputs[0].text[:80],
+            )
+            print(
+                f"RESULT_OFFLINE {args.phase}: {n_out} tokens out in {t3 - t2:.1f} s = {n_out / (t3 - t2):,.0f} tok/s",
+                flush=True,
+            )
     except Exception:
         res["error"] = "\n".join(traceback.format_exc().splitlines()[-30:])
         print(res["error"], flush=True)

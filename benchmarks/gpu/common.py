@@ -33,11 +33,13 @@ N_PROMPTS = 2048
 IN_TOKENS = 200
 MAX_TOKENS = 256
 
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima "
-         "mike november oscar papa quebec romeo sierra tango uniform victor whiskey "
-         "xray yankee zulu river mountain forest ocean desert valley canyon island "
-         "harbor village castle bridge tower garden market library museum theater "
-         "engine signal vector matrix tensor kernel buffer socket thread process").split()
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima "
+    "mike november oscar papa quebec romeo sierra tango uniform victor whiskey "
+    "xray yankee zulu river mountain forest ocean desert valley canyon island "
+    "harbor village castle bridge tower garden market library museum theater "
+    "engine signal vector matrix tensor kernel buffer socket thread process"
+).split()
 
 
 def make_prompts(tokenizer_dir: str, n: int = N_PROMPTS, target: int = IN_TOKENS) -> tuple[list[str], float]:
@@ -118,7 +120,9 @@ def gpu_apps() -> list[dict[str, Any]]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
         except OSError:
             cmd = "?"
-        apps.append({"pid": pid, "used_mib": int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None, "cmd": cmd})
+        apps.append(
+            {"pid": pid, "used_mib": int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None, "cmd": cmd}
+        )
     return apps
 
 
@@ -173,7 +177,10 @@ class GpuMon:
         try:
             self.proc: subprocess.Popen | None = subprocess.Popen(
                 ["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits", "-lms", str(interval_ms)],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
         except OSError:  # no nvidia-smi (a dry run on a CPU machine)
             self.proc = None
         self.thread = threading.Thread(target=self._read, daemon=True)
@@ -233,7 +240,10 @@ VLLM_LINES = {
     "max_concurrency_x": (r"Maximum concurrency for [\d,]+ tokens per request: " + _NUM + r"x", "max"),
     "cuda_graph_capture_s": (r"Graph capturing finished in " + _NUM + r" secs", "sum"),
     "cuda_graph_gib": (r"Graph capturing finished in [\d.]+ secs, took " + _NUM + r" GiB", "max"),
-    "init_engine_s": (r"init engine \(profile, create kv cache, warmup model\) took " + _NUM + r" (?:s|seconds)", "sum"),
+    "init_engine_s": (
+        r"init engine \(profile, create kv cache, warmup model\) took " + _NUM + r" (?:s|seconds)",
+        "sum",
+    ),
     "init_engine_compile_s": (r"init engine .*? took [\d.]+ s \(compilation: " + _NUM + r" s", "sum"),
     "engines_started": (r"init engine \(profile, create kv cache, warmup model\) took", "count"),
     "gen_throughput_samples": (r"Avg generation throughput: " + _NUM + r" tokens/s", "count"),
@@ -245,7 +255,9 @@ VLLM_LINES = {
 NOTABLE = re.compile(
     r"(does not officially support|may cause the engine to crash|out of memory|OutOfMemory|Free memory on device"
     r"|CUDA error|RuntimeError|Unauthorized|No module named|ImportError|FA3|FlashAttention|attention backend"
-    r"|Using .*backend|max_num_seqs|max_num_batched_tokens|chunked prefill|prefix caching)", re.I)
+    r"|Using .*backend|max_num_seqs|max_num_batched_tokens|chunked prefill|prefix caching)",
+    re.I,
+)
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -299,15 +311,26 @@ def main(argv: list[str]) -> int:
         phase = argv[1]
         state = wait_gpu_free(timeout=float(os.environ.get("GPU_CLEAN_WAIT_S", "20")))
         killed = kill_gpu_apps(state["leftover_apps"]) if state["leftover_apps"] else []
-        after = {"gpu_used_mib_before_kill": state["gpu_used_mib"], "leftover_apps": state["leftover_apps"],
-                 "killed": killed, "gpu_used_mib": gpu_used_mib(), "at": time.time()}
+        after = {
+            "gpu_used_mib_before_kill": state["gpu_used_mib"],
+            "leftover_apps": state["leftover_apps"],
+            "killed": killed,
+            "gpu_used_mib": gpu_used_mib(),
+            "at": time.time(),
+        }
         data = load_results()
         data.setdefault("gpu_after_phase", {})[phase] = after
         save_results(data)
         for app in state["leftover_apps"]:
-            print(f"== leftover GPU process after {phase}: pid {app['pid']} {app['used_mib']} MiB {app['cmd']}", flush=True)
-        print(f"== GPU memory used after {phase}: {after['gpu_used_mib']} MiB"
-              + (f" (killed {killed})" if killed else ""), flush=True)
+            print(
+                f"== leftover GPU process after {phase}: pid {app['pid']} {app['used_mib']} MiB {app['cmd']}",
+                flush=True,
+            )
+        print(
+            f"== GPU memory used after {phase}: {after['gpu_used_mib']} MiB"
+            + (f" (killed {killed})" if killed else ""),
+            flush=True,
+        )
         return 0
     if cmd == "vllm-log":
         phase, path = argv[1], argv[2]

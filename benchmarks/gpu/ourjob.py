@@ -52,7 +52,11 @@ def operator_entrypoint() -> str:
 
 def contract_name(name: str, default: str) -> str:
     """A name both halves share (contract.py, or where it lived before), without importing Airflow."""
-    for module in ("airflow_provider_rayllm.contract", "airflow_provider_rayllm.job.secrets", "airflow_provider_rayllm.spec"):
+    for module in (
+        "airflow_provider_rayllm.contract",
+        "airflow_provider_rayllm.job.secrets",
+        "airflow_provider_rayllm.spec",
+    ):
         try:
             value = getattr(__import__(module, fromlist=[name]), name, None)
         except Exception:
@@ -121,16 +125,26 @@ class ProgressWatch:
             lines = progress_lines(client.get_job_logs(sid))
         except Exception:
             return
-        for p in lines[self.seen:]:
+        for p in lines[self.seen :]:
             self.arrivals.append((round(time.time() - t_submit, 1), p))
         self.seen = len(lines)
 
     def marks(self) -> dict:
         first = next((t for t, p in self.arrivals if int(p.get("rows_done") or 0) > 0), None)
-        done = next((t for t, p in self.arrivals
-                     if int(p.get("rows_total") or 0) > 0 and int(p.get("rows_done") or 0) >= int(p["rows_total"])), None)
-        return {"progress_first_rows_s": first, "progress_all_rows_s": done, "progress_polls_s": self.poll_s,
-                "progress_samples": [[t, p.get("rows_done"), p.get("tokens_out")] for t, p in self.arrivals][-60:]}
+        done = next(
+            (
+                t
+                for t, p in self.arrivals
+                if int(p.get("rows_total") or 0) > 0 and int(p.get("rows_done") or 0) >= int(p["rows_total"])
+            ),
+            None,
+        )
+        return {
+            "progress_first_rows_s": first,
+            "progress_all_rows_s": done,
+            "progress_polls_s": self.poll_s,
+            "progress_samples": [[t, p.get("rows_done"), p.get("tokens_out")] for t, p in self.arrivals][-60:],
+        }
 
 
 def progress_lines(log: str) -> list[dict]:
@@ -139,7 +153,7 @@ def progress_lines(log: str) -> list[dict]:
         i = line.find("RAYLLM_PROGRESS ")
         if i >= 0:
             try:
-                out.append(json.loads(line[i + len("RAYLLM_PROGRESS "):]))
+                out.append(json.loads(line[i + len("RAYLLM_PROGRESS ") :]))
             except ValueError:
                 pass
     return out
@@ -150,7 +164,7 @@ def manifest_from_log(log: str) -> dict | None:
         i = line.find("RAYLLM_MANIFEST ")
         if i >= 0:
             try:
-                return json.loads(line[i + len("RAYLLM_MANIFEST "):])
+                return json.loads(line[i + len("RAYLLM_MANIFEST ") :])
             except ValueError:
                 return None
     return None
@@ -165,8 +179,11 @@ def output_files(sink: str, manifest: dict | None) -> list[str]:
     roots = [outputs.removeprefix("file://")] if outputs else []
     roots.append(sink)
     for root in roots:
-        files = sorted(f for f in glob.glob(os.path.join(root, "**", "*"), recursive=True)
-                       if f.endswith((".parquet", ".jsonl", ".json")) and "/errors" not in f and not f.endswith("manifest.json"))
+        files = sorted(
+            f
+            for f in glob.glob(os.path.join(root, "**", "*"), recursive=True)
+            if f.endswith((".parquet", ".jsonl", ".json")) and "/errors" not in f and not f.endswith("manifest.json")
+        )
         if files:
             return files
     return []
@@ -187,9 +204,14 @@ def embed_check(files: list[str], model_dir: str, rows: int = 64) -> dict:
     ours = np.array([r[col] for r in data], dtype=np.float32)
     ref = SentenceTransformer(model_dir, device="cpu").encode([r["prompt"] for r in data], convert_to_numpy=True)
     cos = (ours * ref).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(ref, axis=1))
-    return {"ok": bool(cos.min() > 0.99), "rows": len(data), "dim": int(ours.shape[1]),
-            "cosine_min": float(cos.min()), "cosine_mean": float(cos.mean()),
-            "ours_norm_mean": float(np.linalg.norm(ours, axis=1).mean())}
+    return {
+        "ok": bool(cos.min() > 0.99),
+        "rows": len(data),
+        "dim": int(ours.shape[1]),
+        "cosine_min": float(cos.min()),
+        "cosine_mean": float(cos.mean()),
+        "ours_norm_mean": float(np.linalg.norm(ours, axis=1).mean()),
+    }
 
 
 def main() -> int:
@@ -232,22 +254,35 @@ def main() -> int:
         sink = f"/tmp/out-{args.phase}-{stamp}"
         if args.task == "generate":
             engine_kwargs = {"load_format": "dummy", "max_model_len": 2048}
-            prompt = {"prompt_column": "prompt", "output_column": "response",
-                      "sampling_params": {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}}
+            prompt = {
+                "prompt_column": "prompt",
+                "output_column": "response",
+                "sampling_params": {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0},
+            }
         else:
             # MiniLM's limit (sentence-transformers' max_seq_length); a profile's default of 2048 would be refused
             engine_kwargs = {"max_model_len": 256}
             prompt = {"prompt_column": "prompt", "output_column": "response"}
         engine_kwargs.update(json.loads(args.engine_kwargs))
-        processor = {"model_source": args.model, "task_type": args.task, "engine_kwargs": engine_kwargs,
-                     "resource_profile": "auto"}
+        processor = {
+            "model_source": args.model,
+            "task_type": args.task,
+            "engine_kwargs": engine_kwargs,
+            "resource_profile": "auto",
+        }
         if args.batch_size:
             processor["batch_size"] = args.batch_size
         if args.max_concurrent_batches:
             processor["max_concurrent_batches"] = args.max_concurrent_batches
-        body = {"version": 1, "kind": "vllm", "source": {"uris": [source], "format": "jsonl"}, "prompt": prompt,
-                "processor": processor, "sink": {"uri": sink, "format": "parquet"},
-                "run": {"dag_id": "gpu_bench", "run_id": stamp, "task_id": args.phase}}
+        body = {
+            "version": 1,
+            "kind": "vllm",
+            "source": {"uris": [source], "format": "jsonl"},
+            "prompt": prompt,
+            "processor": processor,
+            "sink": {"uri": sink, "format": "parquet"},
+            "run": {"dag_id": "gpu_bench", "run_id": stamp, "task_id": args.phase},
+        }
         spec = JobSpec.model_validate(body)
         pkg = os.path.join(phase_dir, f"pkg-{stamp}")
         os.makedirs(pkg)
@@ -262,10 +297,16 @@ def main() -> int:
         entrypoint = operator_entrypoint()
         runtime_env = {"working_dir": pkg, "worker_process_setup_hook": setup_hook(), "py_modules": [PACKAGE_DIR]}
         sid = f"gpu-{args.phase}-{stamp}".replace("_", "-")
-        metadata = {"rayllm_output_uri": sink, "rayllm_submission_id": sid,
-                    "rayllm_spec_hash": spec.content_hash()[:16], "airflow_dag_id": "gpu_bench",
-                    "airflow_run_id": stamp, "airflow_task_id": args.phase, "airflow_map_index": "-1",
-                    "airflow_clear_number": "0"}
+        metadata = {
+            "rayllm_output_uri": sink,
+            "rayllm_submission_id": sid,
+            "rayllm_spec_hash": spec.content_hash()[:16],
+            "airflow_dag_id": "gpu_bench",
+            "airflow_run_id": stamp,
+            "airflow_task_id": args.phase,
+            "airflow_map_index": "-1",
+            "airflow_clear_number": "0",
+        }
         res.update(entrypoint=entrypoint, runtime_env=runtime_env, submission_id=sid, sink=sink)
         client = JobSubmissionClient(head["dashboard"])
         mon = common.GpuMon(args.phase)
@@ -305,7 +346,7 @@ def main() -> int:
 
         tl = timeline(log, t_submit)
         tl.update(watch.marks())
-        for t, p in [(t_end - t_submit, x) for x in progress_lines(log)[watch.seen:]]:
+        for t, p in [(t_end - t_submit, x) for x in progress_lines(log)[watch.seen :]]:
             watch.arrivals.append((round(t, 1), p))  # lines that came after the last poll: at the end at most
         tl.update(watch.marks())
         manifest = manifest_from_log(log)
@@ -333,31 +374,50 @@ def main() -> int:
         if tl["engine_ready"] is not None and tl["rows_done"] is not None and tl["rows_done"] > tl["engine_ready"]:
             eng = tl["rows_done"] - tl["engine_ready"]
         prog = progress_lines(log)
-        res.update({
-            "status": status, "stopped_at_deadline": stopped, "wall_s": round(wall, 2),
-            "queued_s": round(t_running - t_submit, 2) if t_running else None,
-            "job_info": {"start_time": info.start_time, "end_time": info.end_time, "message": (info.message or "")[:500],
-                         "driver_exit_code": getattr(info, "driver_exit_code", None)},
-            "timeline_s": tl, "engine_phase_s": eng,
-            "rows_out": rows_out, "rows_errored": m.get("rows_errored"), "input_tokens": in_tokens,
-            "output_tokens": out_tokens,
-            "output_tok_per_s_wall": out_tokens / wall if wall > 0 else None,
-            "output_tok_per_s_engine_phase": out_tokens / eng if eng and out_tokens else None,
-            "rows_per_s_engine_phase": rows_out / eng if eng and rows_out else None,
-            "input_tok_per_s_engine_phase": in_tokens / eng if eng and in_tokens else None,
-            "progress_last": prog[-1] if prog else None, "progress_lines": len(prog),
-            "manifest": {k: v for k, v in m.items() if k not in ("output_files", "error_files")},
-            "manifest_file_found": manifest_file is not None, "manifest_in_log": manifest is not None,
-            "output_files": len(m.get("output_files") or []), "error_lines": error_lines(log),
-            "gpu": gpu_all,
-            "gpu_engine_phase": mon.summary(t_submit + tl["engine_ready"], t_submit + tl["rows_done"]) if eng else None,
-            "vllm_log": common.parse_vllm_log(log),
-        })
+        res.update(
+            {
+                "status": status,
+                "stopped_at_deadline": stopped,
+                "wall_s": round(wall, 2),
+                "queued_s": round(t_running - t_submit, 2) if t_running else None,
+                "job_info": {
+                    "start_time": info.start_time,
+                    "end_time": info.end_time,
+                    "message": (info.message or "")[:500],
+                    "driver_exit_code": getattr(info, "driver_exit_code", None),
+                },
+                "timeline_s": tl,
+                "engine_phase_s": eng,
+                "rows_out": rows_out,
+                "rows_errored": m.get("rows_errored"),
+                "input_tokens": in_tokens,
+                "output_tokens": out_tokens,
+                "output_tok_per_s_wall": out_tokens / wall if wall > 0 else None,
+                "output_tok_per_s_engine_phase": out_tokens / eng if eng and out_tokens else None,
+                "rows_per_s_engine_phase": rows_out / eng if eng and rows_out else None,
+                "input_tok_per_s_engine_phase": in_tokens / eng if eng and in_tokens else None,
+                "progress_last": prog[-1] if prog else None,
+                "progress_lines": len(prog),
+                "manifest": {k: v for k, v in m.items() if k not in ("output_files", "error_files")},
+                "manifest_file_found": manifest_file is not None,
+                "manifest_in_log": manifest is not None,
+                "output_files": len(m.get("output_files") or []),
+                "error_lines": error_lines(log),
+                "gpu": gpu_all,
+                "gpu_engine_phase": mon.summary(t_submit + tl["engine_ready"], t_submit + tl["rows_done"])
+                if eng
+                else None,
+                "vllm_log": common.parse_vllm_log(log),
+            }
+        )
         if args.task == "generate":
             res["all_rows_full_length"] = out_tokens == args.n * args.max_tokens
         res["ok"] = status == "SUCCEEDED" and rows_out == args.n
-        print(f"RESULT_OURJOB {args.phase}: {status}, {rows_out} rows, {out_tokens} tokens out, wall {wall:.1f} s, "
-              f"engine phase {eng} s, timeline {tl}", flush=True)
+        print(
+            f"RESULT_OURJOB {args.phase}: {status}, {rows_out} rows, {out_tokens} tokens out, wall {wall:.1f} s, "
+            f"engine phase {eng} s, timeline {tl}",
+            flush=True,
+        )
     except Exception:
         res["error"] = "\n".join(traceback.format_exc().splitlines()[-30:])
         print(res["error"], flush=True)

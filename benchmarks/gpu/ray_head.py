@@ -69,14 +69,22 @@ def head_env(auth_mode: str) -> dict:
     return env
 
 
-def ray_cli(args: list[str], env: dict, timeout: float = 120, session: bool = False, log: str | None = None) -> tuple[int, str, int]:
+def ray_cli(
+    args: list[str], env: dict, timeout: float = 120, session: bool = False, log: str | None = None
+) -> tuple[int, str, int]:
     """Ray's CLI; output to a file, not a pipe (daemons that `ray start` leaves behind would hold a pipe open).
     Returns (exit code, output, pid: with session=True also the id of the new process session)."""
     os.makedirs(common.LOGS, exist_ok=True)
     log = log or os.path.join(common.LOGS, f"ray_{args[0]}.log")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", *args], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=session, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ray.scripts.scripts", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=session,
+            stdin=subprocess.DEVNULL,
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -114,9 +122,16 @@ def start() -> dict:
         ngpu = len([line for line in common.nvsmi("-L").splitlines() if line.startswith("GPU ")]) or None
     except OSError:
         ngpu = None
-    args = ["start", "--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-            "--include-dashboard=true", "--disable-usage-stats",
-            f"--object-store-memory={int(os.environ.get('RAY_OBJECT_STORE_BYTES', 8 * 10**9))}"]
+    args = [
+        "start",
+        "--head",
+        f"--port={gcs}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        "--include-dashboard=true",
+        "--disable-usage-stats",
+        f"--object-store-memory={int(os.environ.get('RAY_OBJECT_STORE_BYTES', 8 * 10**9))}",
+    ]
     if ngpu:
         args.append(f"--num-gpus={ngpu}")
     if os.environ.get("RAY_NUM_CPUS"):  # logical CPUs (a dry run on a 2-core machine needs more than 2)
@@ -126,8 +141,15 @@ def start() -> dict:
     t0 = time.time()
     # Its own session: the head outlives this call while the machine stays warm (the next call reuses it).
     rc, text, session = ray_cli(args, env, timeout=180, session=True)
-    info = {"gcs": f"127.0.0.1:{gcs}", "dashboard": f"http://127.0.0.1:{dash}", "auth_mode": auth_mode,
-            "num_gpus": ngpu, "args": args, "ray_start_rc": rc, "session": session}
+    info = {
+        "gcs": f"127.0.0.1:{gcs}",
+        "dashboard": f"http://127.0.0.1:{dash}",
+        "auth_mode": auth_mode,
+        "num_gpus": ngpu,
+        "args": args,
+        "ray_start_rc": rc,
+        "session": session,
+    }
     if rc != 0:
         print(text[-4000:], flush=True)
         raise SystemExit(f"ray start failed (rc {rc})")

@@ -51,8 +51,12 @@ def projection() -> dict:
         weights_gb = MODEL_8B["params_b"] * MODEL_8B["bytes_per_param"]
         steps = H200["hbm_tb_per_s"] * 1e12 / (weights_gb * 1e9)
         compute = H200["bf16_dense_tflops"] * 1e12 / (2 * MODEL_8B["params_b"] * 1e9)
-        return {"weights_gb": round(weights_gb, 1), "memory_bound_decode_steps_per_s": round(steps),
-                "compute_bound_tokens_per_s": round(compute), "batch_where_compute_binds": round(compute / steps)}
+        return {
+            "weights_gb": round(weights_gb, 1),
+            "memory_bound_decode_steps_per_s": round(steps),
+            "compute_bound_tokens_per_s": round(compute),
+            "batch_where_compute_binds": round(compute / steps),
+        }
 
 
 def find_dir(args: argparse.Namespace) -> Path:
@@ -78,15 +82,20 @@ def gpu_csv(path: Path) -> dict[str, dict]:
     with path.open() as f:
         for r in csv.DictReader(f):
             try:
-                rows.setdefault(r["phase"], []).append((float(r["time"]), int(r["mem_used_mib"]), int(r["util_pct"]), float(r["power_w"])))
+                rows.setdefault(r["phase"], []).append(
+                    (float(r["time"]), int(r["mem_used_mib"]), int(r["util_pct"]), float(r["power_w"]))
+                )
             except (KeyError, ValueError):
                 pass
     out = {}
     for phase, xs in rows.items():
-        out[phase] = {"samples": len(xs), "mem_used_max_mib": max(x[1] for x in xs),
-                      "util_mean_pct": round(sum(x[2] for x in xs) / len(xs), 1),
-                      "util_busy_share": round(sum(1 for x in xs if x[2] > 0) / len(xs), 3),
-                      "power_mean_w": round(sum(x[3] for x in xs) / len(xs), 1)}
+        out[phase] = {
+            "samples": len(xs),
+            "mem_used_max_mib": max(x[1] for x in xs),
+            "util_mean_pct": round(sum(x[2] for x in xs) / len(xs), 1),
+            "util_busy_share": round(sum(1 for x in xs if x[2] > 0) / len(xs), 3),
+            "power_mean_w": round(sum(x[3] for x in xs) / len(xs), 1),
+        }
     return out
 
 
@@ -96,10 +105,24 @@ def vllm_startup(p: dict, src: Path) -> dict:
     if not v:
         log = src / "logs" / f"{p.get('_phase', '')}.log"
         v = common.parse_vllm_log(log.read_text(errors="replace")) if log.exists() else {}
-    keys = ("dynamo_transform_s", "graph_compile_s", "torch_compile_total_s", "compiled_graph_cache_hits",
-            "weights_load_s", "model_load_s", "model_load_gib", "memory_profiling_s", "cuda_graph_capture_s",
-            "kv_cache_gib", "kv_cache_tokens", "max_concurrency_x", "init_engine_s", "init_engine_compile_s",
-            "running_reqs_max", "engines_started")
+    keys = (
+        "dynamo_transform_s",
+        "graph_compile_s",
+        "torch_compile_total_s",
+        "compiled_graph_cache_hits",
+        "weights_load_s",
+        "model_load_s",
+        "model_load_gib",
+        "memory_profiling_s",
+        "cuda_graph_capture_s",
+        "kv_cache_gib",
+        "kv_cache_tokens",
+        "max_concurrency_x",
+        "init_engine_s",
+        "init_engine_compile_s",
+        "running_reqs_max",
+        "engines_started",
+    )
     return {k: v.get(k) for k in keys if v.get(k) is not None}
 
 
@@ -112,13 +135,20 @@ def summarize(src: Path, price: float) -> dict[str, Any]:
     env = phases.get("envcheck", {})
     mods = env.get("modules", {})
     out: dict[str, Any] = {
-        "date": src.name[:10], "source": str(src.relative_to(REPO)) if src.is_relative_to(REPO) else str(src),
-        "device": {"nvidia_smi": env.get("nvidia_smi"), "python": ((env.get("python") or "").split() or [None])[0],
-                   "torch": (env.get("torch_cuda") or {}).get("value"),
-                   "vllm": (mods.get("vllm") or {}).get("version"), "ray": (mods.get("ray") or {}).get("version"),
-                   "pyarrow": mods.get("pyarrow"), "pydantic": mods.get("pydantic"), "aiohttp": mods.get("aiohttp"),
-                   "flash_attn": (env.get("flash_attn") or {}).get("value"),
-                   "our_job_imports_without_airflow": (env.get("our_job_imports") or {}).get("value")},
+        "date": src.name[:10],
+        "source": str(src.relative_to(REPO)) if src.is_relative_to(REPO) else str(src),
+        "device": {
+            "nvidia_smi": env.get("nvidia_smi"),
+            "python": ((env.get("python") or "").split() or [None])[0],
+            "torch": (env.get("torch_cuda") or {}).get("value"),
+            "vllm": (mods.get("vllm") or {}).get("version"),
+            "ray": (mods.get("ray") or {}).get("version"),
+            "pyarrow": mods.get("pyarrow"),
+            "pydantic": mods.get("pydantic"),
+            "aiohttp": mods.get("aiohttp"),
+            "flash_attn": (env.get("flash_attn") or {}).get("value"),
+            "our_job_imports_without_airflow": (env.get("our_job_imports") or {}).get("value"),
+        },
         "price_per_gpu_hour_usd": price,
         "workload": (data.get("calls") or [{}])[-1].get("workload"),
         "gpu_projection": projection(),
@@ -129,17 +159,27 @@ def summarize(src: Path, price: float) -> dict[str, Any]:
     offline_tps = off.get("output_tok_per_s") if off.get("ok") else None
     if off:
         out["offline"] = {
-            "ok": off.get("ok"), "mode": off.get("mode"), "n_prompts": off.get("n_prompts"),
-            "avg_prompt_tokens": off.get("avg_prompt_tokens"), "output_tokens": off.get("output_tokens"),
-            "gen_s": off.get("gen_s"), "output_tok_per_s": offline_tps, "total_tok_per_s": off.get("total_tok_per_s"),
+            "ok": off.get("ok"),
+            "mode": off.get("mode"),
+            "n_prompts": off.get("n_prompts"),
+            "avg_prompt_tokens": off.get("avg_prompt_tokens"),
+            "output_tokens": off.get("output_tokens"),
+            "gen_s": off.get("gen_s"),
+            "output_tok_per_s": offline_tps,
+            "total_tok_per_s": off.get("total_tok_per_s"),
             "scheduler": off.get("scheduler"),
-            "startup_s": {"import_vllm": off.get("import_s"), "engine_init": off.get("engine_init_s"),
-                          "warmup_call": off.get("warmup_s")},
+            "startup_s": {
+                "import_vllm": off.get("import_s"),
+                "engine_init": off.get("engine_init_s"),
+                "warmup_call": off.get("warmup_s"),
+            },
             "vllm_startup": vllm_startup(off, src),
-            "gpu_during_gen": off.get("gpu_during_gen"), "gpu_phase": csv_gpu.get("offline") or off.get("gpu"),
+            "gpu_during_gen": off.get("gpu_during_gen"),
+            "gpu_phase": csv_gpu.get("offline") or off.get("gpu"),
             "usd_per_m_output_tokens": per_m(price, offline_tps),
-            "share_of_compute_roofline": (offline_tps / out["gpu_projection"]["compute_bound_tokens_per_s"]
-                                          if offline_tps else None),
+            "share_of_compute_roofline": (
+                offline_tps / out["gpu_projection"]["compute_bound_tokens_per_s"] if offline_tps else None
+            ),
             "error": off.get("error"),
         }
 
@@ -154,56 +194,91 @@ def summarize(src: Path, price: float) -> dict[str, Any]:
         proc = spec.get("processor") or {}
         man = p.get("manifest") or {}
         entry = {
-            "ok": p.get("ok"), "status": p.get("status"), "task": p.get("task"), "rows": p.get("rows_out"),
-            "rows_errored": p.get("rows_errored"), "input_tokens": p.get("input_tokens"),
-            "output_tokens": p.get("output_tokens"), "wall_s": p.get("wall_s"), "engine_phase_s": p.get("engine_phase_s"),
-            "timeline_s": p.get("timeline_s"), "queued_s": p.get("queued_s"),
-            "first_output_s_manifest": man.get("first_output_s"), "driver_wall_s_manifest": man.get("wall_time_s"),
-            "engine_kwargs_given": proc.get("engine_kwargs"), "engine_kwargs_used": man.get("engine_kwargs"),
+            "ok": p.get("ok"),
+            "status": p.get("status"),
+            "task": p.get("task"),
+            "rows": p.get("rows_out"),
+            "rows_errored": p.get("rows_errored"),
+            "input_tokens": p.get("input_tokens"),
+            "output_tokens": p.get("output_tokens"),
+            "wall_s": p.get("wall_s"),
+            "engine_phase_s": p.get("engine_phase_s"),
+            "timeline_s": p.get("timeline_s"),
+            "queued_s": p.get("queued_s"),
+            "first_output_s_manifest": man.get("first_output_s"),
+            "driver_wall_s_manifest": man.get("wall_time_s"),
+            "engine_kwargs_given": proc.get("engine_kwargs"),
+            "engine_kwargs_used": man.get("engine_kwargs"),
             "resource_profile": man.get("resource_profile"),
-            "batch_size": proc.get("batch_size"), "max_concurrent_batches": proc.get("max_concurrent_batches"),
+            "batch_size": proc.get("batch_size"),
+            "max_concurrent_batches": proc.get("max_concurrent_batches"),
             "vllm_startup": vllm_startup(p, src),
-            "gpu_job": csv_gpu.get(name) or p.get("gpu"), "gpu_engine_phase": p.get("gpu_engine_phase"),
-            "gpu_after_job": {"leftover_apps": (p.get("gpu_after_job") or {}).get("leftover_apps"),
-                              "gpu_used_mib": (p.get("gpu_after_job") or {}).get("gpu_used_mib"),
-                              "killed": p.get("leftovers_killed")},
-            "manifest_found": p.get("manifest_file_found"), "error_lines": p.get("error_lines"),
+            "gpu_job": csv_gpu.get(name) or p.get("gpu"),
+            "gpu_engine_phase": p.get("gpu_engine_phase"),
+            "gpu_after_job": {
+                "leftover_apps": (p.get("gpu_after_job") or {}).get("leftover_apps"),
+                "gpu_used_mib": (p.get("gpu_after_job") or {}).get("gpu_used_mib"),
+                "killed": p.get("leftovers_killed"),
+            },
+            "manifest_found": p.get("manifest_file_found"),
+            "error_lines": p.get("error_lines"),
             "error": p.get("error"),
         }
         if p.get("task") == "generate":
-            entry.update({
-                "output_tok_per_s_engine_phase": eng_tps, "output_tok_per_s_wall": wall_tps,
-                "efficiency_engine_phase_vs_offline": eng_tps / offline_tps if eng_tps and offline_tps else None,
-                "efficiency_wall_vs_offline": wall_tps / offline_tps if wall_tps and offline_tps else None,
-                "usd_per_m_output_tokens_engine_phase": per_m(price, eng_tps),
-                "usd_per_m_output_tokens_wall": per_m(price, wall_tps),
-                "all_rows_full_length": p.get("all_rows_full_length"),
-                "running_reqs_max": (p.get("vllm_log") or {}).get("running_reqs_max"),
-            })
+            entry.update(
+                {
+                    "output_tok_per_s_engine_phase": eng_tps,
+                    "output_tok_per_s_wall": wall_tps,
+                    "efficiency_engine_phase_vs_offline": eng_tps / offline_tps if eng_tps and offline_tps else None,
+                    "efficiency_wall_vs_offline": wall_tps / offline_tps if wall_tps and offline_tps else None,
+                    "usd_per_m_output_tokens_engine_phase": per_m(price, eng_tps),
+                    "usd_per_m_output_tokens_wall": per_m(price, wall_tps),
+                    "all_rows_full_length": p.get("all_rows_full_length"),
+                    "running_reqs_max": (p.get("vllm_log") or {}).get("running_reqs_max"),
+                }
+            )
         else:
-            entry.update({"rows_per_s_engine_phase": p.get("rows_per_s_engine_phase"),
-                          "input_tok_per_s_engine_phase": p.get("input_tok_per_s_engine_phase"),
-                          "embed_check": p.get("embed_check")})
+            entry.update(
+                {
+                    "rows_per_s_engine_phase": p.get("rows_per_s_engine_phase"),
+                    "input_tok_per_s_engine_phase": p.get("input_tok_per_s_engine_phase"),
+                    "embed_check": p.get("embed_check"),
+                }
+            )
         ours[name] = entry
     out["ours"] = ours
 
     oe = phases.get("offline_embed")
     if oe:
-        out["offline_embed"] = {"ok": oe.get("ok"), "rows": oe.get("rows"), "gen_s": oe.get("gen_s"),
-                                "rows_per_s": oe.get("rows_per_s"), "input_tok_per_s": oe.get("input_tok_per_s"),
-                                "startup_s": {"import_vllm": oe.get("import_s"), "engine_init": oe.get("engine_init_s")},
-                                "vllm_startup": vllm_startup(oe, src), "error": oe.get("error")}
+        out["offline_embed"] = {
+            "ok": oe.get("ok"),
+            "rows": oe.get("rows"),
+            "gen_s": oe.get("gen_s"),
+            "rows_per_s": oe.get("rows_per_s"),
+            "input_tok_per_s": oe.get("input_tok_per_s"),
+            "startup_s": {"import_vllm": oe.get("import_s"), "engine_init": oe.get("engine_init_s")},
+            "vllm_startup": vllm_startup(oe, src),
+            "error": oe.get("error"),
+        }
         e = ours.get("ourjob_embed") or {}
         if oe.get("rows_per_s") and e.get("rows_per_s_engine_phase"):
             e["efficiency_engine_phase_vs_offline"] = e["rows_per_s_engine_phase"] / oe["rows_per_s"]
 
-    out["gpu_after_phase"] = {k: {"gpu_used_mib": v.get("gpu_used_mib"), "leftover_apps": len(v.get("leftover_apps") or []),
-                                  "killed": v.get("killed")} for k, v in (data.get("gpu_after_phase") or {}).items()}
+    out["gpu_after_phase"] = {
+        k: {
+            "gpu_used_mib": v.get("gpu_used_mib"),
+            "leftover_apps": len(v.get("leftover_apps") or []),
+            "killed": v.get("killed"),
+        }
+        for k, v in (data.get("gpu_after_phase") or {}).items()
+    }
     out["head"] = {k: (phases.get("head") or {}).get(k) for k in ("auth_mode", "up_s", "cluster_resources", "num_gpus")}
     notes = []
     for name, p in phases.items():
-        for line in ((p.get("vllm_log") or {}).get("notable_lines") or []):
-            if re.search(r"does not officially support|crash|out of memory|Free memory|CUDA error|No module named", line, re.I):
+        for line in (p.get("vllm_log") or {}).get("notable_lines") or []:
+            if re.search(
+                r"does not officially support|crash|out of memory|Free memory|CUDA error|No module named", line, re.I
+            ):
                 notes.append(f"{name}: {line.strip()[-220:]}")
     out["notable"] = notes[:20]
     return out
@@ -221,24 +296,33 @@ def _f(x: Any, fmt: str = "{:,.0f}") -> str:
 def markdown(s: dict) -> str:
     lines = [f"## GPU measurement (one H200, {s['date']})", ""]
     d = s["device"]
-    lines.append(f"Measured on the lent `nvidia-h200` machine ({d.get('nvidia_smi') or 'H200'}; Python {d.get('python') or '?'}, "
-                 f"vLLM {d.get('vllm') or '?'}, Ray {d.get('ray') or '?'}). Workload: {_workload(s)}. "
-                 f"Prices at ${s['price_per_gpu_hour_usd']:.2f} per GPU-hour.")
-    lines += ["", "| run | output tokens/s | vs offline | whole job | GPU memory max | GPU busy (mean util) | $ per M output tokens |",
-              "|---|---|---|---|---|---|---|"]
+    lines.append(
+        f"Measured on the lent `nvidia-h200` machine ({d.get('nvidia_smi') or 'H200'}; Python {d.get('python') or '?'}, "
+        f"vLLM {d.get('vllm') or '?'}, Ray {d.get('ray') or '?'}). Workload: {_workload(s)}. "
+        f"Prices at ${s['price_per_gpu_hour_usd']:.2f} per GPU-hour."
+    )
+    lines += [
+        "",
+        "| run | output tokens/s | vs offline | whole job | GPU memory max | GPU busy (mean util) | $ per M output tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
     off = s.get("offline")
     if off:
         g = off.get("gpu_during_gen") or {}
-        lines.append(f"| vLLM offline `LLM.{off.get('mode') or 'chat'}` (timed call; max_num_seqs "
-                     f"{_f((off.get('scheduler') or {}).get('max_num_seqs'))}, max_num_batched_tokens "
-                     f"{_f((off.get('scheduler') or {}).get('max_num_batched_tokens'))}) | **{_f(off.get('output_tok_per_s'))}** | 1.00x | "
-                     f"{_f(off.get('gen_s'), '{:.1f}')} s call | {_f((off.get('gpu_phase') or {}).get('mem_used_max_mib'))} MiB | "
-                     f"{_f(g.get('util_mean_pct'), '{:.0f}')} % | {_f(off.get('usd_per_m_output_tokens'), '${:.3f}')} |")
+        lines.append(
+            f"| vLLM offline `LLM.{off.get('mode') or 'chat'}` (timed call; max_num_seqs "
+            f"{_f((off.get('scheduler') or {}).get('max_num_seqs'))}, max_num_batched_tokens "
+            f"{_f((off.get('scheduler') or {}).get('max_num_batched_tokens'))}) | **{_f(off.get('output_tok_per_s'))}** | 1.00x | "
+            f"{_f(off.get('gen_s'), '{:.1f}')} s call | {_f((off.get('gpu_phase') or {}).get('mem_used_max_mib'))} MiB | "
+            f"{_f(g.get('util_mean_pct'), '{:.0f}')} % | {_f(off.get('usd_per_m_output_tokens'), '${:.3f}')} |"
+        )
     for name, o in s.get("ours", {}).items():
         if o.get("task") != "generate":
             continue
-        label = {"ourjob_gen": "VLLMBatchOperator's job, GPU defaults",
-                 "ourjob_gen_matched": "same, offline's scheduler limits, batch 128 x 16"}.get(name, name)
+        label = {
+            "ourjob_gen": "VLLMBatchOperator's job, GPU defaults",
+            "ourjob_gen_matched": "same, offline's scheduler limits, batch 128 x 16",
+        }.get(name, name)
         used = o.get("engine_kwargs_used") or {}
         lines.append(
             f"| {label} (max_num_seqs {_f(used.get('max_num_seqs'))}, max_num_batched_tokens {_f(used.get('max_num_batched_tokens'))}; "
@@ -246,53 +330,99 @@ def markdown(s: dict) -> str:
             f"{_f(o.get('efficiency_engine_phase_vs_offline'), '{:.2f}x')} / {_f(o.get('efficiency_wall_vs_offline'), '{:.2f}x')} | "
             f"{_f(o.get('wall_s'), '{:.0f}')} s | {_f((o.get('gpu_job') or {}).get('mem_used_max_mib'))} MiB | "
             f"{_f((o.get('gpu_engine_phase') or {}).get('util_mean_pct'), '{:.0f}')} % | "
-            f"{_f(o.get('usd_per_m_output_tokens_engine_phase'), '${:.3f}')} / {_f(o.get('usd_per_m_output_tokens_wall'), '${:.3f}')} |")
+            f"{_f(o.get('usd_per_m_output_tokens_engine_phase'), '${:.3f}')} / {_f(o.get('usd_per_m_output_tokens_wall'), '${:.3f}')} |"
+        )
     p = s["gpu_projection"]
     if off and off.get("output_tok_per_s"):
-        lines += ["", f"Against the projection above: offline reaches {off['share_of_compute_roofline']:.0%} of the "
-                  f"compute-bound ~{p['compute_bound_tokens_per_s']:,} tokens/s (a batch of ~{p['batch_where_compute_binds']} "
-                  f"sequences binds compute on paper; vLLM ran up to {_f((off.get('scheduler') or {}).get('max_num_seqs'))} at once)."]
-    lines += ["", "Start-up (seconds):", "", "| step | offline | " + " | ".join(k for k, o in s.get("ours", {}).items() if o.get("task") == "generate") + " |",
-              "|---|---|" + "---|" * sum(1 for o in s.get("ours", {}).values() if o.get("task") == "generate")]
+        lines += [
+            "",
+            f"Against the projection above: offline reaches {off['share_of_compute_roofline']:.0%} of the "
+            f"compute-bound ~{p['compute_bound_tokens_per_s']:,} tokens/s (a batch of ~{p['batch_where_compute_binds']} "
+            f"sequences binds compute on paper; vLLM ran up to {_f((off.get('scheduler') or {}).get('max_num_seqs'))} at once).",
+        ]
+    lines += [
+        "",
+        "Start-up (seconds):",
+        "",
+        "| step | offline | "
+        + " | ".join(k for k, o in s.get("ours", {}).items() if o.get("task") == "generate")
+        + " |",
+        "|---|---|" + "---|" * sum(1 for o in s.get("ours", {}).values() if o.get("task") == "generate"),
+    ]
     gens = [o for o in s.get("ours", {}).values() if o.get("task") == "generate"]
     ov = (off or {}).get("vllm_startup", {})
 
     def row(label: str, offline_value: Any, fn) -> None:
-        lines.append(f"| {label} | {_f(offline_value, '{:.1f}')} | " + " | ".join(_f(fn(o), '{:.1f}') for o in gens) + " |")
+        lines.append(
+            f"| {label} | {_f(offline_value, '{:.1f}')} | " + " | ".join(_f(fn(o), "{:.1f}") for o in gens) + " |"
+        )
 
     row("submission -> driver's first line", None, lambda o: (o.get("timeline_s") or {}).get("driver_started"))
     row("-> checks done (imports vLLM)", None, lambda o: (o.get("timeline_s") or {}).get("checks_done"))
     row("-> source read", None, lambda o: (o.get("timeline_s") or {}).get("source_read"))
     row("-> rows prepared", None, lambda o: (o.get("timeline_s") or {}).get("rows_prepared"))
     row("import vllm", (off or {}).get("startup_s", {}).get("import_vllm"), lambda o: None)
-    row("engine init (LLM(...) / actor: vLLM's init engine)", (off or {}).get("startup_s", {}).get("engine_init"),
-        lambda o: o["vllm_startup"].get("init_engine_s"))
-    row("  of which torch.compile", ov.get("torch_compile_total_s"), lambda o: o["vllm_startup"].get("torch_compile_total_s"))
-    row("  of which CUDA graph capture", ov.get("cuda_graph_capture_s"), lambda o: o["vllm_startup"].get("cuda_graph_capture_s"))
+    row(
+        "engine init (LLM(...) / actor: vLLM's init engine)",
+        (off or {}).get("startup_s", {}).get("engine_init"),
+        lambda o: o["vllm_startup"].get("init_engine_s"),
+    )
+    row(
+        "  of which torch.compile",
+        ov.get("torch_compile_total_s"),
+        lambda o: o["vllm_startup"].get("torch_compile_total_s"),
+    )
+    row(
+        "  of which CUDA graph capture",
+        ov.get("cuda_graph_capture_s"),
+        lambda o: o["vllm_startup"].get("cuda_graph_capture_s"),
+    )
     row("  weights (dummy) load", ov.get("model_load_s"), lambda o: o["vllm_startup"].get("model_load_s"))
     row("submission -> engine ready", None, lambda o: (o.get("timeline_s") or {}).get("engine_ready"))
     row("first output row (after the driver's start; manifest)", None, lambda o: o.get("first_output_s_manifest"))
     row("engine phase (engine ready -> rows out)", (off or {}).get("gen_s"), lambda o: o.get("engine_phase_s"))
     row("whole job (submission -> end)", None, lambda o: o.get("wall_s"))
-    lines.append(f"| KV cache (GiB / tokens) | {_f(ov.get('kv_cache_gib'), '{:.1f}')} / {_f(ov.get('kv_cache_tokens'))} | "
-                 + " | ".join(f"{_f(o['vllm_startup'].get('kv_cache_gib'), '{:.1f}')} / {_f(o['vllm_startup'].get('kv_cache_tokens'))}" for o in gens) + " |")
+    lines.append(
+        f"| KV cache (GiB / tokens) | {_f(ov.get('kv_cache_gib'), '{:.1f}')} / {_f(ov.get('kv_cache_tokens'))} | "
+        + " | ".join(
+            f"{_f(o['vllm_startup'].get('kv_cache_gib'), '{:.1f}')} / {_f(o['vllm_startup'].get('kv_cache_tokens'))}"
+            for o in gens
+        )
+        + " |"
+    )
     emb, oe = s.get("ours", {}).get("ourjob_embed"), s.get("offline_embed")
     if emb or oe:
         lines += ["", "Embeddings (all-MiniLM-L6-v2, real weights):", ""]
         if oe:
-            lines.append(f"- vLLM offline `LLM.embed`: {_f(oe.get('rows'))} rows in {_f(oe.get('gen_s'), '{:.2f}')} s = "
-                         f"{_f(oe.get('rows_per_s'))} rows/s ({_f(oe.get('input_tok_per_s'))} input tokens/s).")
+            lines.append(
+                f"- vLLM offline `LLM.embed`: {_f(oe.get('rows'))} rows in {_f(oe.get('gen_s'), '{:.2f}')} s = "
+                f"{_f(oe.get('rows_per_s'))} rows/s ({_f(oe.get('input_tok_per_s'))} input tokens/s)."
+            )
         if emb:
             chk = emb.get("embed_check") or {}
-            lines.append(f"- our job ({emb.get('status')}): {_f(emb.get('rows'))} rows, engine phase {_f(emb.get('engine_phase_s'), '{:.1f}')} s = "
-                         f"{_f(emb.get('rows_per_s_engine_phase'))} rows/s"
-                         + (f" ({emb['efficiency_engine_phase_vs_offline']:.2f}x offline)" if emb.get("efficiency_engine_phase_vs_offline") else "")
-                         + f", whole job {_f(emb.get('wall_s'), '{:.0f}')} s; against sentence-transformers on {_f(chk.get('rows'))} rows: "
-                         f"cosine min {_f(chk.get('cosine_min'), '{:.5f}')}, mean {_f(chk.get('cosine_mean'), '{:.5f}')}.")
+            lines.append(
+                f"- our job ({emb.get('status')}): {_f(emb.get('rows'))} rows, engine phase {_f(emb.get('engine_phase_s'), '{:.1f}')} s = "
+                f"{_f(emb.get('rows_per_s_engine_phase'))} rows/s"
+                + (
+                    f" ({emb['efficiency_engine_phase_vs_offline']:.2f}x offline)"
+                    if emb.get("efficiency_engine_phase_vs_offline")
+                    else ""
+                )
+                + f", whole job {_f(emb.get('wall_s'), '{:.0f}')} s; against sentence-transformers on {_f(chk.get('rows'))} rows: "
+                f"cosine min {_f(chk.get('cosine_min'), '{:.5f}')}, mean {_f(chk.get('cosine_mean'), '{:.5f}')}."
+            )
     left = {k: v for k, v in s.get("gpu_after_phase", {}).items() if v.get("leftover_apps")}
-    lines += ["", "After every phase the GPU was checked for processes left behind: "
-              + ("none held memory." if not left else "left behind: " + ", ".join(
-                  f"{k} ({v['leftover_apps']} process(es), killed)" for k, v in left.items()) + ".")]
+    lines += [
+        "",
+        "After every phase the GPU was checked for processes left behind: "
+        + (
+            "none held memory."
+            if not left
+            else "left behind: "
+            + ", ".join(f"{k} ({v['leftover_apps']} process(es), killed)" for k, v in left.items())
+            + "."
+        ),
+    ]
     if s.get("notable"):
         lines += ["", "vLLM said:"] + [f"- `{n}`" for n in s["notable"][:6]]
     return "\n".join(lines) + "\n"
@@ -301,9 +431,11 @@ def markdown(s: dict) -> str:
 def _workload(s: dict) -> str:
     off = s.get("offline") or {}
     w = s.get("workload") or {}
-    return (f"{_f(off.get('n_prompts') or w.get('N'))} prompts of ~{_f(off.get('avg_prompt_tokens'))} tokens "
-            f"(chat template included), 256 tokens out each (ignore_eos, greedy), an 8B-shaped Llama with random "
-            f"weights (load_format=dummy), bf16, max_model_len 2048, gpu_memory_utilization 0.9")
+    return (
+        f"{_f(off.get('n_prompts') or w.get('N'))} prompts of ~{_f(off.get('avg_prompt_tokens'))} tokens "
+        f"(chat template included), 256 tokens out each (ignore_eos, greedy), an 8B-shaped Llama with random "
+        f"weights (load_format=dummy), bf16, max_model_len 2048, gpu_memory_utilization 0.9"
+    )
 
 
 def main() -> int:

@@ -142,3 +142,22 @@ def test_several_cpu_workers_split_the_node_unless_the_user_binds_them():
         "VLLM_CPU_SIM_MULTI_NUMA"
         not in vllm_pipeline.engine_runtime_env(spec(), "gpu", {"tensor_parallel_size": 2})["env_vars"]
     )
+
+
+def test_gpu_limits_follow_the_card():
+    big = vllm_pipeline.GpuCard("NVIDIA H200", 140.4)
+    for card, expected in [
+        (big, vllm_pipeline.BIG_GPU_ENGINE_LIMITS),
+        (vllm_pipeline.GpuCard("NVIDIA A100-SXM4-80GB", 80.0), vllm_pipeline.GPU_ENGINE_DEFAULTS),
+        (vllm_pipeline.GpuCard("NVIDIA L4", 22.5), vllm_pipeline.GPU_ENGINE_DEFAULTS),
+        (None, vllm_pipeline.GPU_ENGINE_DEFAULTS),
+    ]:
+        kwargs = vllm_pipeline.engine_kwargs_for(spec(), "gpu", card)
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            assert kwargs[name] == expected[name], (card, name)
+    assert vllm_pipeline.BIG_GPU_ENGINE_LIMITS["max_num_seqs"] > vllm_pipeline.GPU_ENGINE_DEFAULTS["max_num_seqs"]
+    mine = vllm_pipeline.engine_kwargs_for(spec(engine_kwargs={"max_num_seqs": 64}), "gpu", big)
+    assert mine["max_num_seqs"] == 64
+    # The feed keeps 2x the engine's sequences in flight on the big card too.
+    feed = vllm_pipeline.feed_for(spec(), vllm_pipeline.engine_kwargs_for(spec(), "gpu", big))
+    assert feed.rows_in_flight >= 2 * vllm_pipeline.BIG_GPU_ENGINE_LIMITS["max_num_seqs"]
