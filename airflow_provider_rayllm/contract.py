@@ -19,6 +19,8 @@ __all__ = ["MANIFEST_NAME"]
 
 # Files in the job package (the Ray job's working_dir).
 SPEC_FILE = "spec.json"
+# What the operator submits: the job half's command, run in the folder that holds SPEC_FILE.
+ENTRYPOINT = f"python -m airflow_provider_rayllm.job {SPEC_FILE}"
 SECRETS_FILE = "secrets.json"
 # Every worker process of a job runs this first: it loads the secrets file into its own environment.
 SETUP_HOOK = "airflow_provider_rayllm.job.worker_setup.setup"

@@ -24,6 +24,7 @@ from airflow.sdk import BaseOperator, conf
 from airflow_provider_rayllm import arguments as args_mod
 from airflow_provider_rayllm.arguments import Argument
 from airflow_provider_rayllm.contract import (
+    ENTRYPOINT,
     SECRETS_FILE,
     SETUP_HOOK,
     SPEC_FILE,
@@ -51,7 +52,6 @@ from airflow_provider_rayllm.triggers.ray_job import RayJobTrigger
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-ENTRYPOINT = f"python -m airflow_provider_rayllm.job {SPEC_FILE}"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MAX_GENERATIONS = 100
 METADATA_OUTPUT_URI = "rayllm_output_uri"

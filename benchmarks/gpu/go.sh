@@ -16,12 +16,13 @@
 #   ourjob_embed    our driver, MiniLM, task_type embed, the project's GPU defaults (+ a check against
 #                   sentence-transformers)
 #   offline_embed   vLLM LLM.embed with MiniLM, EMBED_N rows
+#   gputests        tests/gpu (pytest carried in .gpu/scripts/pytest when the image lacks it)
 #   ourjob_gen_matched  our driver with max_num_seqs/max_num_batched_tokens as offline, batch 128 x 16
 # Optional: offline_generate (LLM.generate, no chat template), ourjob_embed_nochunk (chunked prefill and
-#   prefix caching off for MiniLM), gputests (stub), stop_head. FORCE="phase ..." runs done phases again.
+#   prefix caching off for MiniLM), stop_head. FORCE="phase ..." runs done phases again.
 # A phase that failed twice is not tried again (unless named in FORCE); envcheck counts as done once run.
 START=$(date +%s); BUDGET_S=${BUDGET_S:-550}; DEADLINE=$((START + BUDGET_S))
-PHASES=${PHASES:-envcheck offline head ourjob_gen ourjob_embed offline_embed ourjob_gen_matched}
+PHASES=${PHASES:-envcheck offline head ourjob_gen ourjob_embed offline_embed gputests ourjob_gen_matched}
 [ "$PHASES" = none ] && PHASES=""   # only collect and unpack the pieces
 REPO=$PWD; HERE=$REPO/benchmarks/gpu
 export GPUW=${GPUW:-/tmp/gpu}; W=$GPUW; export SITE=/tmp/site
@@ -120,7 +121,7 @@ EOF
 need_s() {  # rough seconds a phase needs (it is not started with less left)
   case $1 in envcheck) echo 80 ;; offline|offline_generate) echo 200 ;; head|stop_head) echo 45 ;;
     ourjob_gen|ourjob_gen_matched) echo 260 ;; offline_embed) echo 110 ;; ourjob_embed*) echo 200 ;;
-    gputests) echo 120 ;; *) echo 60 ;; esac
+    gputests) echo 240 ;; *) echo 60 ;; esac
 }
 needs_minilm() { case $1 in *embed*) return 0 ;; *) return 1 ;; esac; }
 run_phase() {  # phase timeout_s
@@ -145,13 +146,17 @@ run_phase() {  # phase timeout_s
     ourjob_embed_nochunk) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_embed_nochunk --task embed \
         --n "$EMBED_N" --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" \
         --engine-kwargs '{"enable_chunked_prefill": false, "enable_prefix_caching": false}' --deadline $(( $(date +%s) + T - 60 )) ;;
-    gputests)  # TODO: the project's gpu-marked tests need Airflow, which the device image lacks
-      if python3 -c "import airflow, pytest" 2>/dev/null; then
-        timeout -k 20 "$T" python3 -m pytest ${GPUTESTS_PATH:-tests} -m gpu -x -p no:cacheprovider
-      else
-        echo "gputests: not run: $(python3 -c 'import airflow' 2>&1 | tail -1) (carry Airflow's wheels to run them)"
-        python3 "$HERE/common.py" note gputests "not run: airflow is not importable on the device"
-      fi ;;
+    gputests)  # the project's gpu-marked tests that need no Airflow (tests/gpu), on the same Ray head
+      if ! python3 -c "import pytest" 2>/dev/null; then  # the image has none: the wheels carried in scripts/
+        mkdir -p "$W/pytest"
+        for w in "$REPO"/.gpu/scripts/pytest/*.whl; do python3 -m zipfile -e "$w" "$W/pytest"; done
+      fi
+      python3 "$HERE/ray_head.py" start >/dev/null || return 3
+      DASH=$(python3 -c "import json; print(json.load(open('$W/ray_head.json'))['dashboard'])")
+      AUTH=$(python3 -c "import json; print(json.load(open('$W/ray_head.json')).get('auth_mode', 'disabled'))")
+      PYTHONPATH=$W/pytest:$PYTHONPATH RAY_AUTH_MODE=$AUTH RAYLLM_GPU_DASHBOARD=$DASH RAYLLM_GPU_MODEL=$W/model \
+        timeout -k 20 "$T" python3 -m pytest ${GPUTESTS_PATH:-tests/gpu} -m gpu -p no:cacheprovider -rA -v \
+        --junitxml="$OUT/gputests.xml" ;;
     *) echo "unknown phase $p"; return 2 ;;
   esac
 }

@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import glob
 import json
 import os
@@ -39,15 +38,8 @@ TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
 def operator_entrypoint() -> str:
-    """ENTRYPOINT from operators/base.py without importing it (it imports Airflow)."""
-    try:
-        tree = ast.parse(open(os.path.join(PACKAGE_DIR, "operators", "base.py")).read())
-        for node in tree.body:
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "ENTRYPOINT" for t in node.targets):
-                return ast.literal_eval(node.value)
-    except Exception as exc:
-        print(f"could not read ENTRYPOINT from operators/base.py: {exc!r}", flush=True)
-    return "python -m airflow_provider_rayllm.job spec.json"
+    """The command the operator submits (contract.ENTRYPOINT)."""
+    return contract_name("ENTRYPOINT", "python -m airflow_provider_rayllm.job spec.json")
 
 
 def contract_name(name: str, default: str) -> str:
