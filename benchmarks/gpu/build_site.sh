@@ -161,6 +161,13 @@ EOF
   verify || { echo "verification failed"; exit 1; }
 fi
 
+# pytest for the gputests phase (the image has none): pure-Python wheels, about 2 MB, in scripts/pytest
+if ! ls "$GPU"/scripts/pytest/pytest-*.whl >/dev/null 2>&1; then
+  mkdir -p "$GPU/scripts/pytest"
+  "$VPY" -m pip download -q --only-binary=:all: --python-version 3.12 --no-deps -d "$GPU/scripts/pytest" \
+    pytest pluggy iniconfig packaging pygments
+fi
+
 # --- 5. checks: pieces reassemble, sizes, what each call carries ---------------------------------------------
 cd "$GPU"
 echo "== pieces (bytes)"; ls -l c[0-9][0-9]/*.part* | awk '{printf "  %-28s %10d  (%.1f MiB)\n", $9, $5, $5/1048576}'
