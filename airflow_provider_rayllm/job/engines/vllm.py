@@ -594,25 +594,27 @@ def build(
 
 
 def engine_actor_seconds(class_marker: str) -> float | None:
-    """Seconds the job's engine actors lived (the sum over replicas), from Ray's state API; None if unknown."""
+    """Seconds the job's engine actors lived (the sum over replicas), from the GCS actor table; None if unknown.
+
+    Ray 2.60's public state API (``list_actors``) carries no start or end time, so this reads the same table
+    through ``ray._private.state.actors``.
+    """
     import time
 
     import ray
-    from ray.util.state import list_actors
+    from ray._private import state
 
     try:
-        job_id = ray.get_runtime_context().get_job_id()
-        actors = list_actors(
-            filters=[("job_id", "=", job_id)], detail=True, limit=10_000, raise_on_missing_output=False
-        )
-    except Exception as exc:  # the state API is optional for the job's outcome
-        log.warning("engine lifetime unknown (Ray state API: %s)", exc)
+        job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+        actors = state.actors(job_id=job_id)
+    except Exception as exc:  # the lifetime only feeds the cost estimate, never the job's outcome
+        log.warning("engine lifetime unknown (GCS actor table: %s)", exc)
         return None
     now_ms = time.time() * 1000
     seconds = 0.0
-    for actor in actors:
-        if class_marker in (actor.class_name or "") and actor.start_time_ms:
-            seconds += ((actor.end_time_ms or now_ms) - actor.start_time_ms) / 1000
+    for actor in actors.values():
+        if class_marker in (actor.get("ActorClassName") or "") and actor.get("StartTime"):
+            seconds += ((actor.get("EndTime") or now_ms) - actor["StartTime"]) / 1000
     return round(seconds, 3)
 
 
