@@ -81,7 +81,7 @@ def plan(
             fn_constructor_kwargs=stage,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=1),
-            **LIGHT,
+            **ID_GATE,
         )
     else:
         ds = ds.map_batches(RequestStage(**stage), batch_format="pyarrow", **LIGHT)
@@ -98,6 +98,9 @@ def plan(
 WRITE = {"num_cpus": 0.1}
 # Ray Data's streaming repartition (blocks of one engine batch) runs as tasks of a whole CPU.
 REPARTITION_CPUS = 1.0
+# The one actor that sees every id (with id_column) holds its share for the whole job, as the engine does:
+# a tenth, so that a CPU engine, its stages and the gate leave the repartition its CPU on a 2-CPU node.
+ID_GATE = {"num_cpus": 0.1}
 
 
 def check_free_cpus(engine: Engine, spec: JobSpec) -> None:
@@ -106,9 +109,9 @@ def check_free_cpus(engine: Engine, spec: JobSpec) -> None:
     import ray
 
     total = float(ray.cluster_resources().get("CPU", 0))
-    held = engine.reserved_cpus() + (LIGHT["num_cpus"] if spec.prompt.id_column else 0)
+    held = engine.reserved_cpus() + (ID_GATE["num_cpus"] if spec.prompt.id_column else 0)
     needed = REPARTITION_CPUS + LIGHT["num_cpus"]
-    if total - held < needed:
+    if total - held < needed - 1e-6:  # shares are tenths: 2 - 0.8 is 1.1999999999999997
         raise JobError(
             f"the Ray cluster has {total:g} CPU(s) and the engine's actors hold {held:g} for the whole job; the "
             f"stream's other steps need {needed:g} more (a CPU for Ray Data's repartition, a fraction for reading "
