@@ -427,3 +427,74 @@ def test_shell_metacharacters_in_templates_and_data_execute_nothing(ray_conn, ec
     assert not any(m.exists() for m in marks), "a shell ran something from a template, the data or the run id"
     assert manifest["rows_out"] == 1
     record_figure("injection", shell_payloads_tried=4, executed=sum(m.exists() for m in marks))
+
+
+def _engine_cores() -> list[psutil.Process]:
+    """vLLM's engine processes (vLLM titles them ``VLLM::EngineCore``)."""
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        title = f"{proc.info.get('name') or ''} {' '.join(proc.info.get('cmdline') or [])}"
+        if "EngineCore" in title:
+            found.append(proc)
+    return found
+
+
+def test_a_killed_vllm_engine_is_resumed_without_recomputing_finished_rows(ray_conn, smollm2, test_home):
+    """The vLLM engine process itself (not a Ray worker) dies mid-job. With id_column, what the engine had
+    answered is kept: either the job survives it, or the retry resumes from the saved files."""
+    from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
+
+    n = 48
+    input_uri, output_uri = _rows(test_home, "engine_death", n), test_home / "out" / "engine_death"
+
+    def operator():
+        return VLLMBatchOperator(
+            task_id="engine_death",
+            input_uri=input_uri,
+            output_uri=str(output_uri),
+            model_source=str(smollm2),
+            prompt_column="prompt",
+            id_column="id",
+            sampling_params={"max_tokens": 16, "temperature": 0},
+            batch_size=8,
+            deferrable=False,
+            poll_interval=0.5,
+        )
+
+    def saved_ids() -> list[int]:
+        files = [{"uri": str(p)} for p in output_uri.glob("_generations/*/outputs/*.parquet")]
+        return [r["id"] for r in read_rows(files)] if files else []
+
+    ti = StandInTI("reliability", "manual__engine_death", "engine_death")
+    thread, outcome = run_in_thread(operator(), ti)
+    wait_for(lambda: saved_ids() or not thread.is_alive(), 600, "the first answered rows to be written")
+    cores = _engine_cores()
+    assert cores, "no vLLM EngineCore process found while the job ran"
+    for proc in cores:
+        proc.kill()
+    killed_after = len(saved_ids())
+    thread.join(timeout=600)
+    assert not thread.is_alive()
+
+    if "error" in outcome:  # the engine's death failed the job: the next try resumes from its files
+        first = saved_ids()
+        assert first and len(first) == len(set(first)) and len(first) < n
+        manifest = operator().execute({"ti": StandInTI("reliability", "manual__engine_death", "engine_death", try_number=2)})
+        assert manifest["rows_resumed"] == len(first), "the retry must keep every row the dead engine finished"
+    else:
+        manifest = outcome["result"]
+    out = read_rows(manifest["output_files"])
+    ids = [r["id"] for r in out]
+    assert sorted(ids) == list(range(n)), "every row exactly once"
+    assert all(r["response"] for r in out)
+    assert manifest["rows_out"] == n and manifest["rows_errored"] == 0
+    record_figure(
+        "engine_death",
+        rows=n,
+        rows_written_when_killed=killed_after,
+        engine_processes_killed=len(cores),
+        job_failed_by_the_kill="error" in outcome,
+        rows_resumed=manifest.get("rows_resumed", 0),
+        rows_lost=n - len(set(ids)),
+        duplicate_rows=len(ids) - len(set(ids)),
+    )
