@@ -39,7 +39,11 @@ def _operator(**overrides) -> VLLMBatchOperator:
 
 
 _VARIANTS = {
-    "rayllm_it_deferred": {"deferrable": True, "outlets": [Asset("rayllm://tests/deferred-answers")]},
+    "rayllm_it_deferred": {
+        "deferrable": True,
+        "outlets": [Asset("rayllm://tests/deferred-answers")],
+        "price_per_hour": 0.25,
+    },
     "rayllm_it_sync": {"deferrable": False},
     # Input from a SQL query on the `sql_test` connection.
     "rayllm_it_sql": {"deferrable": False, "input_uri": None, "sql": "{{ params.sql }}", "sql_conn_id": "sql_test"},

@@ -100,6 +100,19 @@ def test_manifest_matches_the_files(deferred_run):
     assert xcom(dag_run.dag_id, dag_run.run_id, "generate", "ray_job_url").endswith(manifest["submission_id"])
 
 
+def test_engine_cost_comes_from_the_engine_actors_lifetime(deferred_run):
+    """price_per_hour x the CPUs an engine replica reserves x how long its actor lived (Ray's actor table)."""
+    dag_run = deferred_run["dag_run"]
+    manifest = xcom(dag_run.dag_id, dag_run.run_id, "generate", "return_value")
+    seconds = manifest["engine_actor_seconds"]
+    assert 0 < seconds < deferred_run["seconds"], "the engine lived within the task's run"
+    assert manifest["billed_unit"] == "CPU" and manifest["billed_units_per_replica"] > 0
+    cost = seconds / 3600 * manifest["billed_units_per_replica"] * 0.25
+    assert manifest["estimated_cost"] == pytest.approx(cost, abs=1e-6)
+    per_million = manifest["estimated_cost"] / manifest["output_tokens"] * 1e6
+    assert manifest["cost_per_million_output_tokens"] == pytest.approx(per_million, rel=1e-3)
+
+
 def test_outlet_asset_event_carries_the_output_uri(deferred_run):
     from airflow.models.asset import AssetEvent, AssetModel
     from airflow.utils.session import create_session
