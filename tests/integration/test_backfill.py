@@ -205,7 +205,7 @@ def test_the_task_log_shows_the_jobs_progress(first_backfill, stack):
     run_id = first_backfill["runs"][0]["run_id"]
     log = _task_log(stack.home, run_id)
     assert "Submitted Ray job" in log, f"no task log found for {run_id}"
-    assert "Progress: 5/5 rows done (100%)" in log
+    assert "Progress: 5/5 rows done (100% of the rows read so far)" in log
 
 
 def test_a_second_backfill_over_the_same_dates_replaces_never_duplicates(first_backfill, stack, ray_conn):
