@@ -161,3 +161,17 @@ def test_gpu_limits_follow_the_card():
     # The feed keeps 2x the engine's sequences in flight on the big card too.
     feed = vllm_pipeline.feed_for(spec(), vllm_pipeline.engine_kwargs_for(spec(), "gpu", big))
     assert feed.rows_in_flight >= 2 * vllm_pipeline.BIG_GPU_ENGINE_LIMITS["max_num_seqs"]
+
+
+def test_score_is_refused_before_an_engine_starts_when_vllm_has_no_score_task():
+    import pytest
+    import vllm.tasks
+
+    from airflow_provider_rayllm.job.engines.vllm import check_task_type
+    from airflow_provider_rayllm.job.errors import JobError
+
+    check_task_type("classify")  # the replacement passes
+    if not hasattr(vllm.tasks, "check_removed_pooling_task"):
+        pytest.skip("this vLLM still has the score task")
+    with pytest.raises(JobError, match=r"task_type='score'.*vLLM .* has no score task.*task_type='classify'"):
+        check_task_type("score")

@@ -455,8 +455,32 @@ def check_resources(spec: VLLMProcessorSpec, profile: str, placement: dict[str, 
             raise JobError(f"placement_group_config asks for {wanted:g} GPU(s) per engine but the Ray cluster has none")
     if spec.accelerator_type:
         key = f"accelerator_type:{spec.accelerator_type}"
+        offered = sorted(k.split(":", 1)[1] for k in ray.cluster_resources() if k.startswith("accelerator_type:"))
         if key not in ray.cluster_resources():
-            raise JobError(f"accelerator_type={spec.accelerator_type!r}: no node of the Ray cluster offers {key!r}")
+            raise JobError(
+                f"accelerator_type={spec.accelerator_type!r}: no node of the Ray cluster offers {key!r}; the "
+                f"cluster's accelerator types: {', '.join(offered) or 'none'}"
+            )
+
+
+def check_task_type(task_type: str) -> None:
+    """vLLM 0.30 and later removed the ``score`` pooling task (``classify`` replaces it); Ray's score stage
+    would fail in every engine after it started. Say so before any engine starts."""
+    if task_type != "score":
+        return
+    import vllm
+
+    try:
+        from vllm.tasks import check_removed_pooling_task
+    except ImportError:  # a vLLM that still has the task
+        return
+    try:
+        check_removed_pooling_task("score")
+    except Exception as exc:
+        raise JobError(
+            f"task_type='score': the cluster's vLLM {vllm.__version__} has no score task ({exc}). Use "
+            "task_type='classify' with a cross-encoder (sequence-classification) model, the pair in one prompt"
+        ) from None
 
 
 USAGE_STATS_OPT_OUT = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -660,6 +684,7 @@ class VLLMEngine(Engine):
     def check(self) -> None:
         p = self.p
         check_model_source(p.model_source)
+        check_task_type(p.task_type)
         gpus = cluster_gpus()
         self.profile = resolve_profile(p, gpus)
         self.card = probe_gpu(p.accelerator_type) if self.profile == "gpu" else None
