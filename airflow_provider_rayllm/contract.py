@@ -128,8 +128,10 @@ class Manifest(BaseModel):
 
 
 # Names that hold a secret: such a setting is moved to the job's secrets or shown as ***, never logged.
+# "token" only as a word of its own (hf_token, VENDOR_API_TOKEN, accessToken): counts of tokens
+# (max_num_batched_tokens) and the tokenizer are settings to show.
 SECRET_NAME = re.compile(
-    r"(token|secret|passw(or)?d|api[_-]?key|access[_-]?key|private[_-]?key|credential|auth)", re.IGNORECASE
+    r"(token(?!s|iz)|secret|passw(or)?d|api[_-]?key|access[_-]?key|private[_-]?key|credential|auth)", re.IGNORECASE
 )
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<who>[^/@\s:]+(:[^/@\s]*)?)@")
 

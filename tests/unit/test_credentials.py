@@ -99,3 +99,25 @@ def test_secrets_file_loads_into_env_and_keyfile_becomes_private_file(tmp_path, 
     load_into_env(str(tmp_path))  # a second worker of the same job: same file, still whole
     assert json.loads(open(key_file).read()) == {"k": 1} and len(list(tmp_path.iterdir())) == 2
     assert scrub("failed with key zzz9", ["zzz9"]) == "failed with key ***"
+
+
+def test_secret_names_are_hidden_and_token_counts_are_shown():
+    from airflow_provider_rayllm.contract import redact
+
+    shown = redact(
+        {
+            "hf_token": "hf_abc",
+            "api_key": "k",
+            "nested": {"VENDOR_API_TOKEN": "v", "accessToken": "a"},
+            "max_num_batched_tokens": 16384,
+            "max_tokens": 64,
+            "tokenizer": "/models/tok",
+            "tokenizer_mode": "auto",
+            "base_url": "https://user:pass@example.com/v1",
+        }
+    )
+    assert shown["hf_token"] == shown["api_key"] == "***"
+    assert shown["nested"] == {"VENDOR_API_TOKEN": "***", "accessToken": "***"}
+    assert (shown["max_num_batched_tokens"], shown["max_tokens"]) == (16384, 64)
+    assert (shown["tokenizer"], shown["tokenizer_mode"]) == ("/models/tok", "auto")
+    assert shown["base_url"] == "https://***@example.com/v1"
