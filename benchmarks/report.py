@@ -35,7 +35,7 @@ def _plt():
 
 
 def latest_date() -> str:
-    dates = sorted({p.name[:10] for p in RESULTS.glob("20??-??-??-*.json")})
+    dates = sorted({p.name[:10] for p in RESULTS.glob("20??-??-??-*.json") if not p.name.endswith("-gpu.json")})
     if not dates:
         raise SystemExit("no benchmark results yet: run `make bench`")
     return dates[-1]
@@ -387,9 +387,24 @@ a {xs[-1] / xs[0]:,.0f}x range of rows: Ray driver {min(drv):.0f}-{max(drv):.0f}
 """
 
 
+def gpu_measured() -> str:
+    """The newest run on a lent GPU (benchmarks/gpu/report.py wrote it), as that script words it."""
+    runs = sorted(RESULTS.glob("20??-??-??-gpu.json"))
+    if not runs:
+        return ""
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+    import report as gpu_report  # benchmarks/gpu/report.py
+
+    summary = json.loads(runs[-1].read_text())
+    return (
+        "\n" + gpu_report.markdown(summary) + f"\n\nRaw: `{runs[-1].relative_to(REPO)}` and its folder of logs; "
+        "the calls that made it: `benchmarks/gpu/plan.md`.\n"
+    )
+
+
 def gpu_section() -> str:
     g = gpu_projection()
-    return f"""## GPU projection (on paper; no GPU ran here)
+    return f"""## GPU projection (on paper)
 
 An 8B model in bf16 on one H200 (141 GB HBM3e at 4.8 TB/s, 989 TFLOPS dense BF16, from NVIDIA's data sheet):
 
@@ -474,7 +489,7 @@ and reports the median and the spread. Raw numbers: `{out.relative_to(REPO)}` (m
 {http_section(http)}
 {scale_section(scale)}
 {load_section(load)}
-{gpu_section()}"""
+{gpu_section()}{gpu_measured()}"""
     (REPO / "docs" / "PERFORMANCE.md").write_text(text)
     print(f"wrote {out.relative_to(REPO)} and docs/PERFORMANCE.md ({', '.join(sorted(parts)) or 'no parts'})")
     return 0

@@ -163,6 +163,18 @@ def test_gpu_limits_follow_the_card():
     assert feed.rows_in_flight >= 2 * vllm_pipeline.BIG_GPU_ENGINE_LIMITS["max_num_seqs"]
 
 
+def test_pooling_models_keep_vllms_own_prefill_and_caching_choice():
+    card = vllm_pipeline.GpuCard("NVIDIA H200", 140.4)
+    generate = vllm_pipeline.engine_kwargs_for(spec(), "gpu", card)
+    assert generate["enable_chunked_prefill"] and generate["enable_prefix_caching"]
+    embed = vllm_pipeline.engine_kwargs_for(spec(task_type="embed"), "gpu", card)
+    assert "enable_chunked_prefill" not in embed and "enable_prefix_caching" not in embed
+    asked = vllm_pipeline.engine_kwargs_for(
+        spec(task_type="embed", engine_kwargs={"enable_prefix_caching": True}), "gpu"
+    )
+    assert asked["enable_prefix_caching"] is True
+
+
 def test_score_is_refused_before_an_engine_starts_when_vllm_has_no_score_task():
     import pytest
     import vllm.tasks

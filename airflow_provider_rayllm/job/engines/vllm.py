@@ -248,6 +248,11 @@ def with_secrets(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def engine_kwargs_for(spec: VLLMProcessorSpec, profile: str, card: GpuCard | None = None) -> dict[str, Any]:
     defaults = CPU_ENGINE_DEFAULTS if profile == "cpu" else gpu_engine_defaults(card)
+    if spec.task_type != "generate":
+        # Pooling models (embed, classify) get vLLM's own choice: forcing chunked prefill or prefix caching
+        # on one that does not support them "may cause the engine to crash or produce incorrect outputs"
+        # (vLLM's warning, seen with MiniLM on an H200).
+        defaults = {k: v for k, v in defaults.items() if k not in ("enable_prefix_caching", "enable_chunked_prefill")}
     kwargs = {**defaults, **with_secrets(spec.engine_kwargs)}
     if profile == "cpu" and "dtype" not in spec.engine_kwargs and not cpu_has_native_half():
         kwargs["dtype"] = "float32"
