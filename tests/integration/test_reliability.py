@@ -479,7 +479,9 @@ def test_a_killed_vllm_engine_is_resumed_without_recomputing_finished_rows(ray_c
     if "error" in outcome:  # the engine's death failed the job: the next try resumes from its files
         first = saved_ids()
         assert first and len(first) == len(set(first)) and len(first) < n
-        manifest = operator().execute({"ti": StandInTI("reliability", "manual__engine_death", "engine_death", try_number=2)})
+        manifest = operator().execute(
+            {"ti": StandInTI("reliability", "manual__engine_death", "engine_death", try_number=2)}
+        )
         assert manifest["rows_resumed"] == len(first), "the retry must keep every row the dead engine finished"
     else:
         manifest = outcome["result"]
