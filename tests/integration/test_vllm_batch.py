@@ -106,6 +106,9 @@ def test_engine_cost_comes_from_the_engine_actors_lifetime(deferred_run):
     manifest = xcom(dag_run.dag_id, dag_run.run_id, "generate", "return_value")
     seconds = manifest["engine_actor_seconds"]
     assert 0 < seconds < deferred_run["seconds"], "the engine lived within the task's run"
+    timeline = manifest["timeline"]
+    # The engine's load counts too: it holds the CPUs (GPUs) from the moment the plan asks for it.
+    assert seconds >= timeline["last_answer_s"] - timeline["plan_started_s"]
     assert manifest["billed_unit"] == "CPU" and manifest["billed_units_per_replica"] > 0
     cost = seconds / 3600 * manifest["billed_units_per_replica"] * 0.25
     assert manifest["estimated_cost"] == pytest.approx(cost, abs=1e-6)

@@ -119,9 +119,10 @@ def probe_gpu(accelerator_type: str | None, timeout_s: float = 60) -> GpuCard | 
     return GpuCard(name, round(gib, 1))
 
 
-# Ray's CPU stages around the engine (chat template, tokenize, detokenize) are light; on a small
-# CPU-only cluster whole cores for each would starve the engine.
-CPU_STAGE_NUM_CPUS = LIGHT["num_cpus"]
+# Ray's CPU stages around the engine (chat template, tokenize, detokenize, image preparation) are light, and
+# their actors hold their share for the whole job: a tenth each on the CPU profile, so that the engine, two
+# stages and the id gate leave the streaming repartition its whole CPU on a 2-CPU node.
+CPU_STAGE_NUM_CPUS = 0.1
 # What a CPU engine's worker reserves. The engine's threads use the node's cores whatever the number;
 # half a CPU leaves a whole one free on a 2-CPU node for the one step of the stream that needs it
 # (Ray Data's streaming repartition asks for a whole CPU).
@@ -622,8 +623,10 @@ def build(
     )
 
 
-def engine_actor_seconds(class_marker: str) -> float | None:
-    """Seconds the job's engine actors lived (the sum over replicas), from the GCS actor table; None if unknown.
+def engine_actor_seconds(class_marker: str, requested_at: float) -> float | None:
+    """Seconds the job's engine actors held their resources (the sum over replicas), from the GCS actor
+    table; None if unknown. The table's start time is when the constructor returned (the engine loaded),
+    so each actor counts from ``requested_at`` (epoch seconds: when the plan asked for it) instead.
 
     Ray 2.60's public state API (``list_actors``) carries no start or end time, so this reads the same table
     through ``ray._private.state.actors``.
@@ -643,7 +646,8 @@ def engine_actor_seconds(class_marker: str) -> float | None:
     seconds = 0.0
     for actor in actors.values():
         if class_marker in (actor.get("ActorClassName") or "") and actor.get("StartTime"):
-            seconds += ((actor.get("EndTime") or now_ms) - actor["StartTime"]) / 1000
+            began = min(actor["StartTime"], requested_at * 1000)
+            seconds += ((actor.get("EndTime") or now_ms) - began) / 1000
     return round(seconds, 3)
 
 
@@ -743,6 +747,9 @@ class VLLMEngine(Engine):
         return replicas * (engine_cpus(p, self.placement, self.engine_kwargs) + stages * stage_cpus)
 
     def apply(self, ds: Any) -> Any:
+        import time
+
+        self.requested_at = time.time()  # the engines are asked for when this lazy plan starts, moments later
         return build(self.p, self.profile, self.engine_kwargs, self.placement, self.feed)(ds)
 
     def shaper(self) -> Shaper:
@@ -765,9 +772,10 @@ class VLLMEngine(Engine):
         return {**details, **self.cost(totals)}
 
     def cost(self, totals: dict[str, Any]) -> dict[str, Any]:
-        """What the engines cost: their actors' lifetime (from Ray's state API) x the GPUs (CPUs on a CPU
-        cluster) each reserves x price_per_hour."""
-        seconds = engine_actor_seconds(self.actor_name())
+        """What the engines cost: how long their actors held their resources (from the plan's start to
+        their end, read from Ray's actor table) x the GPUs (CPUs on a CPU cluster) each reserves x
+        price_per_hour."""
+        seconds = engine_actor_seconds(self.actor_name(), self.requested_at)
         units = (
             float(world_size(self.engine_kwargs))
             if self.profile == "gpu"
