@@ -13,6 +13,7 @@ write tasks' results.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from datetime import datetime, timezone
@@ -142,7 +143,38 @@ def job_error_in(exc: BaseException) -> JobError | None:
         if isinstance(current, JobError):
             return current
         stack += [current.__cause__, current.__context__, getattr(current, "cause", None)]
-    return None
+    # Raised in a stage's actor, it may come back only as text in Ray's wrapper.
+    found = re.search(r"(?:^|\.)JobError: (.+)", _chain_text(exc), re.MULTILINE)
+    return JobError(found.group(1).strip()) if found else None
+
+
+def input_error_in(exc: BaseException, spec: JobSpec) -> JobError | None:
+    """A reader's error that is the input's fault (text that is not UTF-8), said of the input."""
+    text = _chain_text(exc)
+    if "UnicodeDecodeError" not in text:
+        return None
+    where = getattr(spec.source, "uris", None) or "the query's rows"
+    kind = getattr(spec.source, "format", None) or "text"
+    found = re.search(r"UnicodeDecodeError: (.*)", text)
+    return JobError(
+        f"input_uri {where!r}: a {kind} file is not UTF-8 text ({found.group(1).strip() if found else 'undecodable bytes'}). "
+        "Re-encode it as UTF-8, e.g. `iconv -f latin1 -t utf-8`; nothing was published"
+    )
+
+
+def _chain_text(exc: BaseException) -> str:
+    """The text of an error and everything under it: Ray passes a worker's traceback on as text (a stage's
+    exception loses its own causes when it is pickled back to the driver)."""
+    parts, seen = [], set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        parts.append(f"{type(current).__name__}: {current}")
+        stack += [current.__cause__, current.__context__, getattr(current, "cause", None)]
+    return "\n".join(parts)
 
 
 def check_counts(counted: dict[str, Any], written: dict[str, Any], adopted_rows: int) -> None:
@@ -215,7 +247,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
                 sink, ray_remote_args=WRITE
             )
         except Exception as exc:
-            ours = job_error_in(exc)
+            ours = job_error_in(exc) or input_error_in(exc, spec)
             if ours is not None:
                 raise JobError(str(ours)) from None
             raise

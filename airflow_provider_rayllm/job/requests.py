@@ -265,6 +265,14 @@ class RequestBuilder:
             value = row.get(p.prompt_column)
             if _is_empty(value):
                 raise ValueError(f"column {p.prompt_column!r} is empty")
+            if isinstance(value, (bytes, bytearray)):
+                try:
+                    return bytes(value).decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ValueError(
+                        f"column {p.prompt_column!r} holds bytes that are not UTF-8 text ({bytes(value)[:40]!r}: "
+                        f"{exc.reason} at offset {exc.start}); re-encode the input as UTF-8"
+                    ) from None
             if not isinstance(value, str):
                 raise ValueError(f"column {p.prompt_column!r} holds {type(value).__name__}, not text")
             return value
@@ -391,12 +399,10 @@ class IdGate:
             value = row.get(self.column)
             if _is_empty(value):
                 raise JobError(
-                    f"prompt.id_column {self.column!r}: a row has no id (value {value!r}); ids must be set and unique"
+                    f"id_column {self.column!r}: a row has no id (value {value!r}); ids must be set and unique"
                 )
             if value in self.seen:
-                raise JobError(
-                    f"prompt.id_column {self.column!r} must be unique per row: {value!r} appears more than once"
-                )
+                raise JobError(f"id_column {self.column!r} must be unique per row: {value!r} appears more than once")
             self.seen.add(value)
             if value not in self.saved:
                 kept.append(row)

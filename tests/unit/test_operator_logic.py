@@ -454,3 +454,35 @@ def test_the_task_log_shows_the_drivers_lines_and_real_errors_not_engine_chatter
     view = JobLogView()
     shown = [line for raw in log for line in view.feed(raw)]
     assert shown == [log[0], log[8], log[9], log[10], log[11], log[12]]
+
+
+def test_a_job_error_raised_in_a_stage_actor_is_found_in_rays_text():
+    """A stage's JobError comes back to the driver only as text inside Ray's wrapper (its causes are lost
+    when pickled): the driver still says the message, not Ray's wrapper."""
+    from airflow_provider_rayllm.job.driver import input_error_in, job_error_in
+
+    wrapped = RuntimeError(
+        "ray::MapWorker(MapBatches(RequestStage)).submit()\nTraceback (most recent call last):\n"
+        '  File "requests.py", line 405, in __call__\n'
+        "airflow_provider_rayllm.job.errors.JobError: id_column 'id' must be unique per row: 2 appears more than once"
+    )
+    assert str(job_error_in(wrapped)) == "id_column 'id' must be unique per row: 2 appears more than once"
+    assert job_error_in(RuntimeError("something else")) is None
+
+    from airflow_provider_rayllm.spec import JobSpec
+
+    spec = JobSpec.model_validate(
+        {
+            "version": 1,
+            "kind": "http",
+            "source": {"uris": ["/in/bad.jsonl"], "format": "jsonl"},
+            "prompt": {"prompt_column": "p"},
+            "http": {"base_url": "http://x/v1", "model": "m"},
+            "sink": {"uri": "/out"},
+        }
+    )
+    decode = RuntimeError(
+        "ray::ReadPandasJSON()\nUnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9 in position 24"
+    )
+    message = str(input_error_in(decode, spec))
+    assert "input_uri ['/in/bad.jsonl']" in message and "byte 0xe9" in message and "not UTF-8 text" in message

@@ -1,0 +1,135 @@
+"""Bad inputs a user will hit, each through a real job on the local cluster (the HTTP operator against a
+local echo endpoint, so no engine starts): the job fails naming the field and the value, and nothing that
+was already published is lost or half-published."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from airflow_provider_rayllm.storage import read_manifest
+from tests.integration.helpers import StandInTI, read_rows, write_jsonl
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def echo(service_logs):
+    from tests.integration.services import echo_server
+
+    with echo_server(0.01, service_logs) as url, pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AIRFLOW_CONN_LLM_BAD", json.dumps({"conn_type": "http", "host": f"{url}/v1"}))
+        yield url
+
+
+def _op(task_id: str, input_uri: str, output_uri: str, **kw):
+    from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
+
+    settings = dict(
+        task_id=task_id,
+        http_conn_id="llm_bad",
+        model="echo",
+        input_uri=input_uri,
+        output_uri=output_uri,
+        prompt_column="prompt",
+        max_in_flight=4,
+        deferrable=False,
+        poll_interval=0.5,
+    )
+    settings.update(kw)
+    return HttpLLMBatchOperator(**settings)
+
+
+def _run(op, run_id: str, try_number: int = 1):
+    return op.execute({"ti": StandInTI("bad_inputs", run_id, op.task_id, try_number=try_number)})
+
+
+def _publish_good_output(name: str, test_home) -> tuple[str, dict]:
+    """A first run that succeeds, so that each bad one after it must leave its output published."""
+    out = str(test_home / "out" / "bad_inputs" / name)
+    good = write_jsonl(
+        test_home / "inputs" / f"{name}-good.jsonl", [{"id": i, "prompt": f"good {i}"} for i in range(3)]
+    )
+    manifest = _run(_op(name, good, out), f"manual__{name}_good")
+    return out, manifest
+
+
+def _still_published(out: str, before: dict) -> None:
+    now = read_manifest(out)
+    assert now is not None and now["generation"] == before["generation"], "the published output was replaced"
+    assert len(read_rows(now["output_files"])) == before["rows_out"], "the published files are incomplete"
+
+
+@pytest.mark.parametrize(
+    "name, content, fmt, expected",
+    [
+        # JSON lines are decoded as a whole: the job fails, naming the input and the byte.
+        ("latin1_jsonl", b'{"id": 1, "prompt": "caf\xe9"}\n', "jsonl", ["bad.jsonl", "not UTF-8 text", "0xe9"]),
+        ("empty_file", b"", "jsonl", ["source: no rows", "bad.jsonl"]),
+    ],
+)
+def test_an_unreadable_or_empty_file_fails_naming_it_and_keeps_the_published_output(
+    name, content, fmt, expected, ray_conn, echo, test_home
+):
+    out, before = _publish_good_output(name, test_home)
+    path = test_home / "inputs" / name / f"bad.{fmt}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    with pytest.raises(Exception) as failed:
+        _run(_op(name, str(path), out, input_format=fmt), f"manual__{name}_bad")
+    for words in expected:
+        assert words in str(failed.value), str(failed.value)
+    _still_published(out, before)
+
+
+def test_a_csv_cell_that_is_not_utf8_is_an_error_row_naming_the_column(ray_conn, echo, test_home):
+    """CSV cells are read one by one: the undecodable one is an error row, its neighbours are answered."""
+    out = str(test_home / "out" / "bad_inputs" / "latin1_csv")
+    path = test_home / "inputs" / "latin1_csv" / "mixed.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"id,prompt\n1,cafe\n2,caf\xe9\n3,tea\n")
+    manifest = _run(_op("latin1_csv", str(path), out, max_error_fraction=0.5), "manual__latin1_csv")
+    assert (manifest["rows_out"], manifest["rows_errored"]) == (2, 1)
+    (bad,) = read_rows(manifest["error_files"])
+    assert bad["id"] == 2
+    assert "column 'prompt' holds bytes that are not UTF-8 text" in bad["error"] and "xe9" in bad["error"]
+    assert sorted(r["response"] for r in read_rows(manifest["output_files"])) == ["echo: cafe", "echo: tea"]
+
+
+@pytest.mark.parametrize(
+    "name, ids, expected",
+    [
+        ("duplicate_ids", [1, 2, 2, 3], ["id_column 'id'", "2"]),
+        ("null_ids", [1, None, 3], ["id_column 'id'", "null"]),
+    ],
+)
+def test_ids_that_cannot_key_a_resume_fail_the_job_naming_them(name, ids, expected, ray_conn, echo, test_home):
+    out, before = _publish_good_output(name, test_home)
+    rows = [{"id": i, "prompt": f"row {n}"} for n, i in enumerate(ids)]
+    with pytest.raises(Exception) as failed:
+        _run(
+            _op(name, write_jsonl(test_home / "inputs" / f"{name}.jsonl", rows), out, id_column="id"), f"manual__{name}"
+        )
+    for words in expected:
+        assert words in str(failed.value), str(failed.value)
+    _still_published(out, before)
+
+
+def test_an_input_changed_between_a_failed_try_and_its_retry_publishes_no_stale_rows(ray_conn, echo, test_home):
+    name = "changed_input"
+    out = str(test_home / "out" / "bad_inputs" / name)
+    path = test_home / "inputs" / f"{name}.jsonl"
+    # The first try answers its rows, then fails its error gate (one row has no prompt).
+    write_jsonl(path, [{"id": i, "prompt": f"first {i}"} for i in range(6)] + [{"id": 6, "prompt": None}])
+    first = _op(name, str(path), out, id_column="id", max_error_fraction=0)
+    with pytest.raises(Exception, match="error"):
+        _run(first, f"manual__{name}")
+    assert read_manifest(out) is None, "a failed try publishes nothing"
+    # Between the tries the file is replaced by other rows under other ids.
+    write_jsonl(path, [{"id": 100 + i, "prompt": f"second {i}"} for i in range(6)])
+    retry = _op(name, str(path), out, id_column="id", max_error_fraction=0)
+    with pytest.raises(Exception) as failed:
+        _run(retry, f"manual__{name}", try_number=2)
+    assert "the input changed since" in str(failed.value), str(failed.value)
+    assert read_manifest(out) is None, "stale rows were published"
