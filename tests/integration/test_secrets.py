@@ -1,0 +1,169 @@
+"""No secret stays on the cluster after a job ends, whichever way it ends.
+
+Canaries in every kind of secret the HTTP operator sends (the endpoint's API key from the connection, a
+secret-looking variable of the job's runtime_env, which is moved into the job's secrets) go through a job
+that succeeds, one that fails its error gate after every worker loaded them, and one stopped mid-job. After
+each, every file under every node's Ray temp dir (zip members opened) and every package in the cluster's
+store are read for them, and so are the job's record, its log, the task's XCom and its log.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import uuid
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.integration.helpers import StandInTI, run_in_thread, wait_for, write_jsonl
+
+pytestmark = pytest.mark.integration
+
+API_KEY = f"sk-canary-{uuid.uuid4().hex}"
+ENV_TOKEN = f"tok-canary-{uuid.uuid4().hex}"
+CANARIES = {"http api key": API_KEY, "runtime_env token": ENV_TOKEN}
+
+
+@pytest.fixture()
+def endpoint(service_logs, monkeypatch):
+    """A chat endpoint answering after 0.2 s, as the `llm_secret` connection with the canary API key."""
+    from tests.integration.services import echo_server
+
+    with echo_server(0.2, service_logs) as url:
+        conn = {"conn_type": "http", "host": f"{url}/v1", "password": API_KEY}
+        monkeypatch.setenv("AIRFLOW_CONN_LLM_SECRET", json.dumps(conn))
+        yield url
+
+
+def _op(name: str, input_uri: str, test_home: Path, **kw):
+    from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
+
+    settings = dict(
+        task_id=name,
+        http_conn_id="llm_secret",
+        model="echo",
+        input_uri=input_uri,
+        output_uri=str(test_home / "out" / "secrets" / name),
+        prompt_column="prompt",
+        job_runtime_env={"env_vars": {"VENDOR_API_TOKEN": ENV_TOKEN}},
+        max_in_flight=2,
+        deferrable=False,
+        poll_interval=0.5,
+    )
+    settings.update(kw)
+    return HttpLLMBatchOperator(**settings)
+
+
+def _in_bytes(data: bytes) -> list[str]:
+    found = [name for name, secret in CANARIES.items() if secret.encode() in data]
+    if data[:4] == b"PK\x03\x04":  # a zip (Ray's packages): its members are compressed
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                for member in archive.namelist():
+                    found += [f"{member} in zip: {n}" for n in _in_bytes(archive.read(member))]
+        except zipfile.BadZipFile:
+            pass
+    return found
+
+
+def _files_holding_canaries(info) -> list[str]:
+    roots = [Path(info.temp_dir)] + [Path(n["temp_dir"]) for n in info.worker_nodes or []]
+    found = []
+    for root in roots:
+        for path in root.rglob("*"):
+            try:
+                if not path.is_file() or path.is_symlink() or path.stat().st_size > 200_000_000:
+                    continue
+                data = path.read_bytes()
+            except OSError:  # a socket, or a file removed while we walk
+                continue
+            found += [f"{path}: {name}" for name in _in_bytes(data)]
+    return found
+
+
+_STORE_SCAN = """
+import io, json, sys, zipfile
+import ray
+from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+ray.init(address=sys.argv[1], log_to_driver=False)
+canaries = json.loads(sys.argv[2])
+found, keys = [], _internal_kv_list("gcs://")
+for key in keys:
+    data = _internal_kv_get(key) or b""
+    blobs = [data]
+    if data[:4] == b"PK\\x03\\x04":
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            blobs += [archive.read(m) for m in archive.namelist()]
+    found += [f"{key.decode()}: {name}" for name, s in canaries.items() if any(s.encode() in b for b in blobs)]
+print(json.dumps({"packages": len(keys), "found": found}))
+"""
+
+
+def _store_holding_canaries(info) -> dict:
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=info.token_file)
+    env.pop("RAY_AUTH_TOKEN", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _STORE_SCAN, info.gcs_address, json.dumps(CANARIES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _check_nothing_left(info, hook, ti, op_logs: str) -> dict:
+    sid = ti.xcom["submission_id"]
+    assert _in_bytes(json.dumps(hook.get_job_info(sid)).encode()) == [], "the Jobs API record"
+    assert _in_bytes(hook.get_job_logs(sid).encode()) == [], "the job log"
+    assert _in_bytes(json.dumps(ti.xcom, default=str).encode()) == [], "the task's XCom"
+    assert _in_bytes(op_logs.encode()) == [], "the task log"
+    assert _files_holding_canaries(info) == [], "files on the cluster's nodes"
+    store = _store_holding_canaries(info)
+    assert store["found"] == [], "packages in the cluster's store"
+    return store
+
+
+def test_no_secret_survives_a_job_that_succeeds_fails_or_is_stopped(ray_conn, endpoint, test_home, caplog):
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    info, hook = ray_conn["info"], RayJobHook()
+    caplog.set_level(logging.INFO)
+    rows = [{"id": i, "prompt": f"secret row {i}"} for i in range(12)]
+
+    # 1. success
+    ok_ti = StandInTI("secrets", "manual__secrets", "ok")
+    manifest = _op("ok", write_jsonl(test_home / "inputs" / "secrets-ok.jsonl", rows), test_home).execute({"ti": ok_ti})
+    assert manifest["rows_out"] == len(rows)
+    _check_nothing_left(info, hook, ok_ti, caplog.text)
+
+    # 2. failure after every worker loaded the secrets: a row with no prompt fails a gate of zero errors
+    bad_rows = rows + [{"id": 99, "prompt": None}]
+    failed_ti = StandInTI("secrets", "manual__secrets", "failed")
+    failing = _op(
+        "failed", write_jsonl(test_home / "inputs" / "secrets-failed.jsonl", bad_rows), test_home, max_error_fraction=0
+    )
+    with pytest.raises(Exception, match="ended FAILED"):
+        failing.execute({"ti": failed_ti})
+    _check_nothing_left(info, hook, failed_ti, caplog.text)
+
+    # 3. stopped mid-job (Ray sends SIGTERM to the driver, which cleans up before it goes)
+    many = [{"id": i, "prompt": f"slow row {i}"} for i in range(200)]
+    stop_ti = StandInTI("secrets", "manual__secrets", "stopped")
+    stopping = _op("stopped", write_jsonl(test_home / "inputs" / "secrets-stopped.jsonl", many), test_home)
+    thread, outcome = run_in_thread(stopping, stop_ti)
+    wait_for(lambda: "submission_id" in stop_ti.xcom, 60, "the job to be submitted")
+    sid = stop_ti.xcom["submission_id"]
+    wait_for(lambda: "RAYLLM_PROGRESS" in hook.get_job_logs(sid), 180, "the job to report progress")
+    stopping.on_kill()
+    thread.join(timeout=120)
+    assert "ended STOPPED" in str(outcome.get("error"))
+    store = _check_nothing_left(info, hook, stop_ti, caplog.text)
+    assert store["packages"] >= 1, "the scan reached the cluster's package store"
