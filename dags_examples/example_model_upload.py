@@ -44,7 +44,7 @@ with DAG(
     )
     answer = VLLMBatchOperator(
         task_id="answer",
-        model_source="{{ ti.xcom_pull(task_ids='upload')['model_uri'] }}",
+        model_source="{{ ti.xcom_pull(task_ids='upload', key='model_uri') }}",
         input_uri="{{ params.input_uri }}",
         prompt_column="prompt",
         system_prompt="You are a helpful assistant. Answer in one or two sentences.",

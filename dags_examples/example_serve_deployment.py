@@ -46,7 +46,7 @@ with DAG(
         model_source="{{ params.model }}",
         serve_app="{{ params.serve_app }}",
         serve_deployment="{{ params.serve_deployment }}",
-        input_uri="{{ ti.xcom_pull(task_ids='first_turn', key='output_uri') }}",
+        input_uri="{{ ti.xcom_pull(task_ids='first_turn', key='outputs_folder') }}",
         prompt_template="Question: {prompt}\nAnswer: {response}\nIs the answer correct? Reply yes or no.",
         output_column="verdict",
         keep_columns=["id", "prompt", "response"],

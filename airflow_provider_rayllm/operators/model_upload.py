@@ -19,7 +19,7 @@ class ModelUploadOperator(RayJobOperator):
     Every file is read back and compared (name, size, sha256) before the model manifest
     (``rayllm-model-manifest.json``) is written; the same content already there is skipped. Returns the
     manifest: bucket URI, files, bytes, checksum and whether it was skipped. Use the bucket URI as
-    ``model_source`` of VLLMBatchOperator (pass it through XCom: ``"{{ ti.xcom_pull('upload')['model_uri'] }}"``).
+    ``model_source`` of VLLMBatchOperator (pass it through XCom: ``"{{ ti.xcom_pull(task_ids='upload', key='model_uri') }}"``).
     """
 
     arguments = arguments.operator_arguments("upload")
