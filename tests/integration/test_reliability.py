@@ -444,7 +444,8 @@ def test_a_killed_vllm_engine_is_resumed_without_recomputing_finished_rows(ray_c
     answered is kept: either the job survives it, or the retry resumes from the saved files."""
     from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
 
-    n = 48
+    # The engine answers 8 rows at a time (max_num_seqs), so files appear batch by batch while most rows wait.
+    n = 96
     input_uri, output_uri = _rows(test_home, "engine_death", n), test_home / "out" / "engine_death"
 
     def operator():
@@ -455,7 +456,8 @@ def test_a_killed_vllm_engine_is_resumed_without_recomputing_finished_rows(ray_c
             model_source=str(smollm2),
             prompt_column="prompt",
             id_column="id",
-            sampling_params={"max_tokens": 16, "temperature": 0},
+            sampling_params={"max_tokens": 48, "temperature": 0},
+            engine_kwargs={"max_num_seqs": 8},
             batch_size=8,
             deferrable=False,
             poll_interval=0.5,
@@ -468,6 +470,7 @@ def test_a_killed_vllm_engine_is_resumed_without_recomputing_finished_rows(ray_c
     ti = StandInTI("reliability", "manual__engine_death", "engine_death")
     thread, outcome = run_in_thread(operator(), ti)
     wait_for(lambda: saved_ids() or not thread.is_alive(), 600, "the first answered rows to be written")
+    assert thread.is_alive() and len(saved_ids()) < n, "the job ended before the engine could be killed"
     cores = _engine_cores()
     assert cores, "no vLLM EngineCore process found while the job ran"
     for proc in cores:
