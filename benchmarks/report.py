@@ -396,8 +396,14 @@ def gpu_measured() -> str:
     import report as gpu_report  # benchmarks/gpu/report.py
 
     summary = json.loads(runs[-1].read_text())
+    text = gpu_report.markdown(summary)
+    if "***" in text:
+        text += (
+            "\n\n`***` above is what that run's manifest showed: its redaction then took `max_num_batched_tokens` "
+            "for a secret (fixed since; the value was 16,384, as the job log's engine line says)."
+        )
     return (
-        "\n" + gpu_report.markdown(summary) + f"\n\nRaw: `{runs[-1].relative_to(REPO)}` and its folder of logs; "
+        f"\n{text}\n\nRaw: `{runs[-1].relative_to(REPO)}` and its folder of logs; "
         "the calls that made it: `benchmarks/gpu/plan.md`.\n"
     )
 
