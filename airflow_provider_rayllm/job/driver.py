@@ -17,7 +17,7 @@ import re
 import sys
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Iterator
 
 from airflow_provider_rayllm.job import generations, io, manifest, resume
 from airflow_provider_rayllm.job.engines import open_engine
@@ -131,8 +131,8 @@ def rows_per_file(spec: JobSpec, engine: Engine) -> int:
     return engine.block_rows() if spec.prompt.id_column else ROWS_PER_FILE
 
 
-def job_error_in(exc: BaseException) -> JobError | None:
-    """Our own error raised inside a stage, under Ray's wrappers."""
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """An error and everything under it (causes, contexts, Ray's wrapped cause), each once."""
     seen: set[int] = set()
     stack: list[BaseException | None] = [exc]
     while stack:
@@ -140,9 +140,15 @@ def job_error_in(exc: BaseException) -> JobError | None:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
+        yield current
+        stack += [current.__cause__, current.__context__, getattr(current, "cause", None)]
+
+
+def job_error_in(exc: BaseException) -> JobError | None:
+    """Our own error raised inside a stage, under Ray's wrappers."""
+    for current in _chain(exc):
         if isinstance(current, JobError):
             return current
-        stack += [current.__cause__, current.__context__, getattr(current, "cause", None)]
     # Raised in a stage's actor, it may come back only as text in Ray's wrapper.
     found = re.search(r"(?:^|\.)JobError: (.+)", _chain_text(exc), re.MULTILINE)
     return JobError(found.group(1).strip()) if found else None
@@ -165,16 +171,7 @@ def input_error_in(exc: BaseException, spec: JobSpec) -> JobError | None:
 def _chain_text(exc: BaseException) -> str:
     """The text of an error and everything under it: Ray passes a worker's traceback on as text (a stage's
     exception loses its own causes when it is pickled back to the driver)."""
-    parts, seen = [], set()
-    stack: list[BaseException | None] = [exc]
-    while stack:
-        current = stack.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        parts.append(f"{type(current).__name__}: {current}")
-        stack += [current.__cause__, current.__context__, getattr(current, "cause", None)]
-    return "\n".join(parts)
+    return "\n".join(f"{type(current).__name__}: {current}" for current in _chain(exc))
 
 
 def check_counts(counted: dict[str, Any], written: dict[str, Any], adopted_rows: int) -> None:
