@@ -509,16 +509,6 @@ def engine_runtime_env(
         # vLLM setting splits the engine's cores evenly between its workers instead; set
         # VLLM_CPU_OMP_THREADS_BIND in runtime_env to choose the cores yourself.
         added["VLLM_CPU_SIM_MULTI_NUMA"] = "1"
-    if (
-        profile == "cpu"
-        and world_size(engine_kwargs or {}) == 1
-        and "VLLM_ENABLE_V1_MULTIPROCESSING" not in user_vars
-        and (engine_kwargs or {}).get("distributed_executor_backend") in (None, "uni")
-    ):
-        # vLLM's CPU build turns a one-worker engine's in-process executor into a multiprocessing one, a
-        # third process (after the actor and the engine core) that imports torch and vLLM again. With this
-        # setting the worker runs inside the engine-core process: one import and one model copy fewer.
-        added["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if not added:
         return spec.runtime_env
     env = dict(spec.runtime_env or {})
