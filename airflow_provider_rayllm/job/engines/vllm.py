@@ -461,8 +461,9 @@ def check_resources(spec: VLLMProcessorSpec, profile: str, placement: dict[str, 
             raise JobError(f"placement_group_config asks for {wanted:g} GPU(s) per engine but the Ray cluster has none")
     if spec.accelerator_type:
         key = f"accelerator_type:{spec.accelerator_type}"
-        offered = sorted(k.split(":", 1)[1] for k in ray.cluster_resources() if k.startswith("accelerator_type:"))
-        if key not in ray.cluster_resources():
+        resources = ray.cluster_resources()
+        if key not in resources:
+            offered = sorted(k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:"))
             raise JobError(
                 f"accelerator_type={spec.accelerator_type!r}: no node of the Ray cluster offers {key!r}; the "
                 f"cluster's accelerator types: {', '.join(offered) or 'none'}"
