@@ -392,9 +392,12 @@ def gpu_measured() -> str:
     runs = sorted(RESULTS.glob("20??-??-??-gpu.json"))
     if not runs:
         return ""
-    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
-    import report as gpu_report  # benchmarks/gpu/report.py
+    import importlib.util
 
+    # benchmarks/gpu/report.py shares this file's name: load it by path, not through sys.path
+    spec = importlib.util.spec_from_file_location("gpu_report", REPO / "benchmarks" / "gpu" / "report.py")
+    gpu_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_report)
     summary = json.loads(runs[-1].read_text())
     text = gpu_report.markdown(summary)
     if "***" in text:
