@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+import pytest
 
 # The CPU engine's kernels are not batch-invariant: at temperature 0 an answer can change with the
 # requests it shares a step with, or with a prefix read from the cache. One request at a time and no
@@ -203,3 +206,32 @@ def leaked_into_ray_logs(temp_dir: str, secrets: dict[str, str]) -> list[str]:
             content = path.read_bytes()
             leaked += [f"{path}: {name}" for name, secret in secrets.items() if secret.encode() in content]
     return leaked
+
+
+@contextlib.contextmanager
+def echo_connection(conn_id: str, delay_s: float, log_dir: Path, **conn: Any) -> Iterator[str]:
+    """A local chat endpoint echoing each prompt after ``delay_s``, as the Airflow connection ``conn_id``
+    (extra connection fields, e.g. ``password``, go in ``conn``); yields its URL."""
+    from tests.integration.services import echo_server
+
+    with echo_server(delay_s, log_dir) as url, pytest.MonkeyPatch.context() as patch:
+        patch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps({"conn_type": "http", "host": f"{url}/v1", **conn}))
+        yield url
+
+
+def echo_operator(conn_id: str, task_id: str, input_uri: str, output_uri: str, **kw: Any) -> Any:
+    """HttpLLMBatchOperator on a prompt column against an echo connection, polled in this process."""
+    from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
+
+    settings: dict[str, Any] = dict(
+        task_id=task_id,
+        http_conn_id=conn_id,
+        model="echo",
+        input_uri=input_uri,
+        output_uri=output_uri,
+        prompt_column="prompt",
+        deferrable=False,
+        poll_interval=0.5,
+    )
+    settings.update(kw)
+    return HttpLLMBatchOperator(**settings)

@@ -4,41 +4,22 @@ was already published is lost or half-published."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from airflow_provider_rayllm.storage import read_manifest
-from tests.integration.helpers import StandInTI, read_rows, write_jsonl
+from tests.integration.helpers import StandInTI, echo_connection, echo_operator, read_rows, write_jsonl
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def echo(service_logs):
-    from tests.integration.services import echo_server
-
-    with echo_server(0.01, service_logs) as url, pytest.MonkeyPatch.context() as patch:
-        patch.setenv("AIRFLOW_CONN_LLM_BAD", json.dumps({"conn_type": "http", "host": f"{url}/v1"}))
+    with echo_connection("llm_bad", 0.01, service_logs) as url:
         yield url
 
 
 def _op(task_id: str, input_uri: str, output_uri: str, **kw):
-    from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
-
-    settings = dict(
-        task_id=task_id,
-        http_conn_id="llm_bad",
-        model="echo",
-        input_uri=input_uri,
-        output_uri=output_uri,
-        prompt_column="prompt",
-        max_in_flight=4,
-        deferrable=False,
-        poll_interval=0.5,
-    )
-    settings.update(kw)
-    return HttpLLMBatchOperator(**settings)
+    return echo_operator("llm_bad", task_id, input_uri, output_uri, max_in_flight=4, **kw)
 
 
 def _run(op, run_id: str, try_number: int = 1):

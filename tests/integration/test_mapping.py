@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.integration.helpers import load_dag, read_rows, utc, write_jsonl
+from tests.integration.helpers import echo_connection, load_dag, read_rows, utc, write_jsonl
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture()
-def echo_default(service_logs, monkeypatch):
+def echo_default(service_logs):
     """The example's `llm_endpoint_default` connection pointed at a local echo endpoint."""
-    from tests.integration.services import echo_server
-
-    with echo_server(0.02, service_logs) as url:
-        monkeypatch.setenv("AIRFLOW_CONN_LLM_ENDPOINT_DEFAULT", json.dumps({"conn_type": "http", "host": f"{url}/v1"}))
+    with echo_connection("llm_endpoint_default", 0.02, service_logs) as url:
         yield url
 
 

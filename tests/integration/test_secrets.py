@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import StandInTI, run_in_thread, wait_for, write_jsonl
+from tests.integration.helpers import StandInTI, echo_connection, echo_operator, run_in_thread, wait_for, write_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -31,33 +31,16 @@ CANARIES = {"http api key": API_KEY, "runtime_env token": ENV_TOKEN}
 
 
 @pytest.fixture()
-def endpoint(service_logs, monkeypatch):
+def endpoint(service_logs):
     """A chat endpoint answering after 0.2 s, as the `llm_secret` connection with the canary API key."""
-    from tests.integration.services import echo_server
-
-    with echo_server(0.2, service_logs) as url:
-        conn = {"conn_type": "http", "host": f"{url}/v1", "password": API_KEY}
-        monkeypatch.setenv("AIRFLOW_CONN_LLM_SECRET", json.dumps(conn))
+    with echo_connection("llm_secret", 0.2, service_logs, password=API_KEY) as url:
         yield url
 
 
 def _op(name: str, input_uri: str, test_home: Path, **kw):
-    from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
-
-    settings = dict(
-        task_id=name,
-        http_conn_id="llm_secret",
-        model="echo",
-        input_uri=input_uri,
-        output_uri=str(test_home / "out" / "secrets" / name),
-        prompt_column="prompt",
-        job_runtime_env={"env_vars": {"VENDOR_API_TOKEN": ENV_TOKEN}},
-        max_in_flight=2,
-        deferrable=False,
-        poll_interval=0.5,
-    )
+    settings = dict(job_runtime_env={"env_vars": {"VENDOR_API_TOKEN": ENV_TOKEN}}, max_in_flight=2)
     settings.update(kw)
-    return HttpLLMBatchOperator(**settings)
+    return echo_operator("llm_secret", name, input_uri, str(test_home / "out" / "secrets" / name), **settings)
 
 
 def _in_bytes(data: bytes) -> list[str]:
