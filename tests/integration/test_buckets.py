@@ -14,7 +14,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.integration.helpers import leaked_into_ray_logs, load_dag, task_state, utc, xcom
+from tests.integration.helpers import (
+    echo_connection,
+    echo_operator,
+    leaked_into_ray_logs,
+    load_dag,
+    task_state,
+    utc,
+    xcom,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -125,29 +133,14 @@ def test_the_secret_shows_nowhere(bucket_run, ray_conn):
 
 
 @pytest.fixture(scope="module")
-def echo_endpoint(service_logs, monkeypatch_module):
-    from tests.integration.services import echo_server
-
-    with echo_server(0.05, service_logs) as url:
-        monkeypatch_module.setenv("AIRFLOW_CONN_LLM_ECHO", json.dumps({"conn_type": "http", "host": f"{url}/v1"}))
+def echo_endpoint(service_logs):
+    with echo_connection("llm_echo", 0.05, service_logs) as url:
         yield url
 
 
 def _echo_op(task_id, input_uri, output_uri, **kw):
-    from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
-
-    return HttpLLMBatchOperator(
-        task_id=task_id,
-        http_conn_id="llm_echo",
-        model="echo",
-        input_uri=input_uri,
-        output_uri=output_uri,
-        prompt_column="prompt",
-        aws_conn_id="aws_default",
-        gcp_conn_id="gcs_default",
-        deferrable=False,
-        poll_interval=0.5,
-        **kw,
+    return echo_operator(
+        "llm_echo", task_id, input_uri, output_uri, aws_conn_id="aws_default", gcp_conn_id="gcs_default", **kw
     )
 
 

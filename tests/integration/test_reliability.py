@@ -18,6 +18,8 @@ import pytest
 
 from tests.integration.helpers import (
     StandInTI,
+    echo_connection,
+    echo_operator,
     load_dag,
     read_rows,
     record_figure,
@@ -38,33 +40,16 @@ def _stats(url: str) -> dict:
 
 
 @pytest.fixture()
-def echo(service_logs, monkeypatch):
+def echo(service_logs):
     """A chat endpoint answering each request after 0.5 s, reachable as the `llm_rel` connection."""
-    from tests.integration.services import echo_server
-
-    with echo_server(0.5, service_logs) as url:
-        monkeypatch.setenv("AIRFLOW_CONN_LLM_REL", json.dumps({"conn_type": "http", "host": f"{url}/v1"}))
+    with echo_connection("llm_rel", 0.5, service_logs) as url:
         yield url
 
 
 def _http_op(task_id: str, input_uri: str, output_uri: str, **kw):
-    from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
-
-    settings = dict(
-        task_id=task_id,
-        http_conn_id="llm_rel",
-        model="echo",
-        input_uri=input_uri,
-        output_uri=output_uri,
-        prompt_column="prompt",
-        sampling_params={"max_tokens": 8},
-        batch_size=8,
-        max_in_flight=4,
-        deferrable=False,
-        poll_interval=0.5,
-    )
+    settings = dict(sampling_params={"max_tokens": 8}, batch_size=8, max_in_flight=4)
     settings.update(kw)
-    return HttpLLMBatchOperator(**settings)
+    return echo_operator("llm_rel", task_id, input_uri, output_uri, **settings)
 
 
 def _rows(test_home, name: str, n: int) -> str:
