@@ -206,6 +206,20 @@ def _quiet_ray_data() -> None:
     ctx.enable_progress_bars = False
 
 
+def preflight(spec: JobSpec, package_dir: str) -> tuple[Any, list[str], Engine]:
+    """Every check that needs no engine, no endpoint and no rows, in a connected Ray driver: the input's
+    first (file heads and footers, a one-row query), then the engine's settings (which loads vLLM for its
+    own judgement) and the cluster's room for them."""
+    source = open_input(spec)
+    keep = kept_columns(spec.prompt, source.columns)
+    say("input: %s", source.description)
+    engine = open_engine(spec, package_dir)
+    engine.check()
+    check_free_cpus(engine, spec)
+    say("%s", engine.describe())
+    return source, keep, engine
+
+
 def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     import ray
 
@@ -214,15 +228,8 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     started = time.time()
     started_at = datetime.now(timezone.utc).isoformat()
 
-    # 1. Checks that need no engine, no endpoint and no rows: the input's first (file heads and footers, a
-    # one-row query), then the engine's settings (which loads vLLM for its own judgement).
-    source = open_input(spec)
-    keep = kept_columns(spec.prompt, source.columns)
-    say("input: %s", source.description)
-    engine = open_engine(spec, package_dir)
-    engine.check()
-    check_free_cpus(engine, spec)
-    say("%s", engine.describe())
+    # 1. Checks that need no engine, no endpoint and no rows.
+    source, keep, engine = preflight(spec, package_dir)
 
     # 2. This attempt's own folder; with an id column, the answers an earlier attempt saved.
     generation = generations.start(spec)

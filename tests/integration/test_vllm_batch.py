@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -190,48 +191,41 @@ def test_load_format_reaches_the_engine(quickstart_run, hook):
     assert "load_format=safetensors" in logs, "vLLM's engine config line should show the load_format the task asked for"
 
 
-@pytest.mark.parametrize(
-    "day, overrides, expected",
-    [
-        (1, {"engine_kwargs": {"max_modle_len": 256}}, "unknown vLLM engine argument(s) ['max_modle_len']"),
-        (2, {"prompt_column": "question"}, "prompt needs column(s) ['question'] that the input lacks"),
-        (3, {"input_uri": "/nonexistent/in.jsonl"}, "source.uris: '/nonexistent/in.jsonl' does not exist"),
-        (4, {"model_source": "/nonexistent/model"}, "model_source '/nonexistent/model' is not a folder"),
-        (
-            5,
-            {"engine_kwargs": {"max_model_len": 256, "load_format": "runai_streamer"}},
-            "engine_kwargs.load_format='runai_streamer' needs the 'vllm[runai]' extra on the cluster",
-        ),
-        (
-            6,
-            {"engine_kwargs": {"max_model_len": 256, "load_format": "tensorizer"}},
-            "engine_kwargs.load_format='tensorizer' needs the 'vllm[tensorizer]' extra on the cluster",
-        ),
-        (
-            # The guide's cross-node settings: vLLM's CPU build would refuse them after its engine started.
-            7,
-            {
-                "engine_kwargs": {
-                    "max_model_len": 256,
-                    "pipeline_parallel_size": 2,
-                    "distributed_executor_backend": "ray",
-                }
-            },
-            "engine_kwargs.distributed_executor_backend='ray': vLLM's CPU engine does not support the Ray executor",
-        ),
-        (
-            8,
-            {"engine_kwargs": {"max_model_len": 256, "pipeline_parallel_size": 2, "enforce_eager": True}},
-            "engine_kwargs.enforce_eager=True with pipeline_parallel_size=2",
-        ),
-        # SmolLM2's config allows 8,192 positions; the engine would refuse 9,000 only after it started.
-        (
-            9,
-            {"engine_kwargs": {"max_model_len": 9000}},
-            "engine_kwargs.max_model_len=9000 is above the model's limit of 8192 tokens",
-        ),
-    ],
-)
+# Bad settings the job refuses before any engine starts. The first four go the whole way (operator, Ray job,
+# the task failed with the job's words); the others are judged by the same driver code in one preflight
+# process, so that the suite imports vLLM once for them rather than once per submitted job.
+SUBMITTED = [
+    (1, {"engine_kwargs": {"max_modle_len": 256}}, "unknown vLLM engine argument(s) ['max_modle_len']"),
+    (2, {"prompt_column": "question"}, "prompt needs column(s) ['question'] that the input lacks"),
+    (3, {"input_uri": "/nonexistent/in.jsonl"}, "source.uris: '/nonexistent/in.jsonl' does not exist"),
+    (4, {"model_source": "/nonexistent/model"}, "model_source '/nonexistent/model' is not a folder"),
+]
+PREFLIGHT = [
+    (
+        {"engine_kwargs": {"max_model_len": 256, "load_format": "runai_streamer"}},
+        "engine_kwargs.load_format='runai_streamer' needs the 'vllm[runai]' extra on the cluster",
+    ),
+    (
+        {"engine_kwargs": {"max_model_len": 256, "load_format": "tensorizer"}},
+        "engine_kwargs.load_format='tensorizer' needs the 'vllm[tensorizer]' extra on the cluster",
+    ),
+    # The guide's cross-node settings: vLLM's CPU build would refuse them after its engine started.
+    (
+        {"engine_kwargs": {"max_model_len": 256, "pipeline_parallel_size": 2, "distributed_executor_backend": "ray"}},
+        "engine_kwargs.distributed_executor_backend='ray': vLLM's CPU engine does not support the Ray executor",
+    ),
+    (
+        {"engine_kwargs": {"max_model_len": 256, "pipeline_parallel_size": 2, "enforce_eager": True}},
+        "engine_kwargs.enforce_eager=True with pipeline_parallel_size=2",
+    ),
+    # SmolLM2's config allows 8,192 positions; the engine would refuse 9,000 only after it started.
+    ({"engine_kwargs": {"max_model_len": 9000}}, "engine_kwargs.max_model_len=9000 is above the model's limit of 8192"),
+    # The settings of the test DAG as they are: the preflight passes them, so each refusal above is its own.
+    ({}, None),
+]
+
+
+@pytest.mark.parametrize("day, overrides, expected", SUBMITTED)
 def test_bad_configuration_fails_before_any_engine_starts(
     day, overrides, expected, ray_conn, airflow_db, smollm2, test_home, hook
 ):
@@ -242,6 +236,49 @@ def test_bad_configuration_fails_before_any_engine_starts(
     error = _failed_job(hook, dag, conf, utc(2026, 4, day))
     assert expected in error
     assert not (output_uri / "manifest.json").exists()
+
+
+def test_the_drivers_preflight_refuses_each_bad_engine_setting(ray_conn, smollm2, test_home):
+    import json
+    import subprocess
+    import sys
+
+    from airflow_provider_rayllm.contract import SPEC_FILE
+    from airflow_provider_rayllm.local.cluster import LocalRayCluster
+    from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
+
+    input_uri = write_jsonl(test_home / "inputs" / "small.jsonl", [{"id": 1, "prompt": "hi"}])
+    folders = []
+    for i, (overrides, _) in enumerate(PREFLIGHT):
+        settings = dict(
+            task_id="generate",
+            model_source=str(smollm2),
+            input_uri=input_uri,
+            output_uri=str(test_home / "out" / f"preflight-{i}"),
+            prompt_column="prompt",
+            system_prompt="Answer briefly.",
+            sampling_params={"temperature": 0, "max_tokens": 16},
+            batch_size=8,
+        )
+        op = VLLMBatchOperator(**{**settings, **overrides})
+        folder = test_home / "preflight" / str(i)
+        folder.mkdir(parents=True, exist_ok=True)
+        spec = op.build_spec({"ti": StandInTI("preflight", f"manual__{i}", "generate")}, folder)
+        (folder / SPEC_FILE).write_text(spec.to_json())
+        folders.append(str(folder))
+
+    env = LocalRayCluster(state_dir=test_home / "ray").env()
+    env["RAY_ADDRESS"] = ray_conn["info"].gcs_address
+    script = Path(__file__).with_name("preflight.py")
+    done = subprocess.run([sys.executable, str(script), *folders], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"folder"')]
+    errors = {line["folder"]: line["error"] for line in lines}
+    for folder, (overrides, expected) in zip(folders, PREFLIGHT):
+        if expected is None:
+            assert errors[folder] is None, f"the plain settings should pass the preflight: {errors[folder]}"
+        else:
+            assert errors[folder] is not None and expected in errors[folder], (overrides, errors[folder])
 
 
 def test_killing_the_task_stops_the_ray_job(ray_conn, smollm2, test_home, hook):

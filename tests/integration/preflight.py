@@ -1,0 +1,38 @@
+"""The job driver's preflight (every check it makes before an engine starts) on each job package folder
+given, in one Ray driver connected to the test cluster: one vLLM import for all of them instead of one per
+submitted job. Prints one JSON line per folder: {"folder": ..., "error": the JobError's text or null}.
+
+    python tests/integration/preflight.py FOLDER [FOLDER ...]     (RAY_ADDRESS and the cluster's auth in env)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(folders: list[str]) -> int:
+    import ray
+
+    from airflow_provider_rayllm.contract import SPEC_FILE
+    from airflow_provider_rayllm.job import compat, driver
+    from airflow_provider_rayllm.job.errors import JobError
+    from airflow_provider_rayllm.spec import SpecError, parse_spec
+
+    compat.install()
+    ray.init(log_to_driver=False)
+    for folder in folders:
+        with open(os.path.join(folder, SPEC_FILE), encoding="utf-8") as handle:
+            spec = parse_spec(handle.read())
+        try:
+            driver.preflight(spec, folder)
+            error = None
+        except (JobError, SpecError) as exc:
+            error = str(exc)
+        print(json.dumps({"folder": folder, "error": error}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
