@@ -13,6 +13,7 @@ write tasks' results.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import time
@@ -206,6 +207,18 @@ def _quiet_ray_data() -> None:
     ctx.enable_progress_bars = False
 
 
+# A crash on purpose at a named step (the job's env var RAYLLM_FAILPOINT=<step>), for the tests of what a
+# crash there leaves behind: the process ends at once, as a killed driver would.
+FAILPOINT_ENV = "RAYLLM_FAILPOINT"
+
+
+def failpoint(step: str) -> None:
+    if os.environ.get(FAILPOINT_ENV) == step:
+        say("failpoint %s: the driver ends here", step)
+        sys.stdout.flush()
+        os._exit(1)
+
+
 def preflight(spec: JobSpec, package_dir: str) -> tuple[Any, list[str], Engine]:
     """Every check that needs no engine, no endpoint and no rows, in a connected Ray driver: the input's
     first (file heads and footers, a one-row query), then the engine's settings (which loads vLLM for its
@@ -282,6 +295,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
             [f["uri"] for f in written["output_files"]], t.dialect, t.table, t.run_key, generation.name
         )
         say("output table %s: %d rows for run key %s", t.table, table_rows, t.run_key)
+        failpoint("after_table_commit")
     body = manifest.build(
         spec=spec,
         submission_id=submission_id,

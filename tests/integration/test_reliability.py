@@ -114,7 +114,7 @@ def restartable_cluster(test_home, monkeypatch):
 
 
 def test_a_restarted_head_is_job_lost_and_the_retry_runs_a_new_job(restartable_cluster, echo, test_home):
-    from airflow_provider_rayllm.exceptions import RayJobLost
+    from airflow_provider_rayllm.exceptions import RayJobFailed, RayJobLost
 
     n = 80
     output_uri = str(test_home / "out" / "lost")
@@ -131,13 +131,38 @@ def test_a_restarted_head_is_job_lost_and_the_retry_runs_a_new_job(restartable_c
     seconds_to_fail = time.time() - restarted
     error = outcome.get("error")
     assert isinstance(error, RayJobLost) and "job lost" in str(error), f"expected a lost job, got {outcome}"
-    assert not (test_home / "out" / "lost" / "_manifest.json").exists()
+    assert not (test_home / "out" / "lost" / "manifest.json").exists()
 
     # Airflow's retry: the same task instance, next try. The cluster forgot the old job, so it is submitted anew.
     retry_ti = StandInTI("reliability", "manual__lost", "lost", try_number=2)
     manifest = _http_op("lost", input_uri, output_uri, ray_conn_id="ray_restart").execute({"ti": retry_ti})
     ids = sorted(r["id"] for r in read_rows(manifest["output_files"]))
     assert ids == list(range(n)) and manifest["rows_out"] == n
+
+    # The head restarts again: the cluster no longer knows the job that published. The same try again (a
+    # worker that died after the job ended) returns the published manifest from storage, with no new job.
+    restartable_cluster.restart()
+    again_ti = StandInTI("reliability", "manual__lost", "lost", try_number=2)
+    again = _http_op("lost", input_uri, output_uri, ray_conn_id="ray_restart").execute({"ti": again_ti})
+    assert again["submission_id"] == manifest["submission_id"]
+    jobs_after_second_restart = len(
+        _http_op("x", input_uri, output_uri, ray_conn_id="ray_restart").hook.client.list_jobs()
+    )
+    assert jobs_after_second_restart == 0, "no job was submitted to return what storage already holds"
+
+    # A rerun of the cleared run on this fresh cluster, on an input whose rows all fail: its job starts (Ray's
+    # job ids start again at -g0), writes its own generation and fails its error gate. The published output
+    # stays as it was, readable, and the manifest still names a folder that exists.
+    bad_input = write_jsonl(test_home / "inputs" / "lost-bad.jsonl", [{"id": i, "prompt": None} for i in range(8)])
+    rerun_ti = StandInTI("reliability", "manual__lost", "lost", try_number=3)
+    rerun = _http_op("lost", bad_input, output_uri, ray_conn_id="ray_restart", max_error_fraction=0.0)
+    with pytest.raises(RayJobFailed, match="above max_error_fraction=0.0; nothing was published"):
+        rerun.execute({"ti": rerun_ti, "dag_run": _Cleared(1)})
+    assert rerun_ti.xcom["submission_id"].endswith("-g0"), "the fresh cluster numbers its jobs from 0 again"
+    published = json.loads((test_home / "out" / "lost" / "manifest.json").read_text())
+    assert published["submission_id"] == manifest["submission_id"]
+    kept = sorted(r["id"] for r in read_rows(published["output_files"]))
+    assert kept == list(range(n)), "the published output is whole after the failed rerun"
     record_figure(
         "lost_cluster",
         head_restart_seconds=round(back_after, 1),
@@ -148,6 +173,98 @@ def test_a_restarted_head_is_job_lost_and_the_retry_runs_a_new_job(restartable_c
         retry_rows_out=manifest["rows_out"],
         rows_lost=n - len(set(ids)),
         duplicate_rows=len(ids) - len(set(ids)),
+        jobs_submitted_for_a_published_retry_on_a_fresh_cluster=jobs_after_second_restart,
+        rows_readable_after_a_failed_rerun_on_a_fresh_cluster=len(kept),
+    )
+
+
+class _Cleared:
+    """The run as Airflow's context gives it after a user cleared it ``clear_number`` times."""
+
+    def __init__(self, clear_number: int):
+        self.clear_number = clear_number
+
+
+def test_a_crash_between_the_table_and_the_manifest_is_repaired_by_the_retry(ray_conn, echo, test_home, monkeypatch):
+    """The driver ends right after the table's commit (RAYLLM_FAILPOINT), before the manifest: the table's
+    rows name a generation no manifest names; the retry replaces them with its own and publishes."""
+    import sqlite3
+
+    from airflow_provider_rayllm.exceptions import RayJobFailed
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    n = 24
+    db = test_home / "table-crash.sqlite"
+    sqlite3.connect(db).close()
+    monkeypatch.setenv("AIRFLOW_CONN_TABLE_CRASH", json.dumps({"conn_type": "sqlite", "host": str(db)}))
+    output_uri = test_home / "out" / "table-crash"
+    input_uri = _rows(test_home, "tablecrash", n)
+
+    def op(**kw):
+        return _http_op(
+            "table_crash", input_uri, str(output_uri), output_table="answers", output_table_conn_id="table_crash", **kw
+        )
+
+    def table_rows() -> list[tuple]:
+        with sqlite3.connect(db) as conn:
+            return conn.execute("SELECT id, rayllm_generation, rayllm_run_key FROM answers").fetchall()
+
+    ti = StandInTI("reliability", "manual__table_crash", "table_crash")
+    with pytest.raises(RayJobFailed):
+        op(job_runtime_env={"env_vars": {"RAYLLM_FAILPOINT": "after_table_commit"}}).execute({"ti": ti})
+    assert "failpoint after_table_commit" in RayJobHook().get_job_logs(ti.xcom["submission_id"])
+    assert not (output_uri / "manifest.json").exists()
+    crashed = table_rows()
+    crashed_generations = {g for _, g, _ in crashed}
+    assert len(crashed) == n and len(crashed_generations) == 1, "the table was committed before the crash"
+
+    retry_ti = StandInTI("reliability", "manual__table_crash", "table_crash", try_number=2)
+    manifest = op().execute({"ti": retry_ti})
+    after = table_rows()
+    assert sorted(i for i, _, _ in after) == list(range(n)), "one row per input row, none twice"
+    assert {g for _, g, _ in after} == {manifest["generation"]}, "every row is from the published generation"
+    assert manifest["generation"] not in crashed_generations
+    assert manifest["output_table"]["rows"] == n
+    assert not (output_uri / "_generations" / crashed_generations.pop()).exists(), "the crashed attempt's folder went"
+    record_figure(
+        "table_manifest_crash",
+        rows=n,
+        table_rows_after_crash=len(crashed),
+        manifest_after_crash=False,
+        table_rows_after_retry=len(after),
+        rows_from_the_published_generation=sum(g == manifest["generation"] for _, g, _ in after),
+    )
+
+
+def test_two_runs_into_one_prefix_each_publish_whole_and_delete_nothing_of_the_other(ray_conn, echo, test_home):
+    """Two task instances (run ids that an ASCII mapping would merge) write one fixed output_uri at the same
+    time: both finish, each manifest it returned names a folder that still exists and holds its own rows,
+    and the manifest left published is one of them, whole."""
+    n = 24
+    output_uri = str(test_home / "out" / "shared-prefix")
+    runs = {}
+    for run_id, word in (("manual__résumé", "first"), ("manual__rösümé", "second")):
+        op = _http_op("shared", _rows(test_home, word, n), output_uri)
+        ti = StandInTI("reliability", run_id, "shared")
+        runs[word] = run_in_thread(op, ti)
+    for thread, _ in runs.values():
+        thread.join(timeout=300)
+    published = json.loads((test_home / "out" / "shared-prefix" / "manifest.json").read_text())
+    for word, (_, outcome) in runs.items():
+        assert "error" not in outcome, f"{word}: {outcome.get('error')}"
+        mine = outcome["result"]
+        rows = read_rows(mine["output_files"])
+        assert sorted(r["id"] for r in rows) == list(range(n))
+        assert all(r["response"] == f"echo: {word} row {r['id']}" for r in rows), "each folder holds its own rows"
+    assert runs["first"][1]["result"]["generation"] != runs["second"][1]["result"]["generation"]
+    assert published["submission_id"] in {o["result"]["submission_id"] for _, o in runs.values()}
+    assert sorted(r["id"] for r in read_rows(published["output_files"])) == list(range(n))
+    record_figure(
+        "shared_prefix",
+        runs=2,
+        rows_each=n,
+        generations_left=len(list((test_home / "out" / "shared-prefix" / "_generations").iterdir())),
+        published_rows=len(read_rows(published["output_files"])),
     )
 
 
