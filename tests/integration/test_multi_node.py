@@ -19,6 +19,7 @@ from tests.integration.helpers import check_demo_embeddings, load_dag, read_rows
 pytestmark = pytest.mark.integration
 
 ENGINE_ACTOR = "MapWorker(MapBatches(vLLMEngineStageUDF))"
+ACCELERATOR = "L4"
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,9 @@ def multi_node(test_home, airflow_db):
     previous = os.environ.get("AIRFLOW_CONN_RAY_DEFAULT")
     try:
         info = cluster.start()
-        for _ in range(2):
-            cluster.add_node(num_cpus=2, resources={"rayllm_engine_node": 1})
+        # The first worker also offers the resource Ray gives a node with an L4 GPU (`accelerator_type:L4`).
+        cluster.add_node(num_cpus=2, resources={"rayllm_engine_node": 1, f"accelerator_type:{ACCELERATOR}": 1})
+        cluster.add_node(num_cpus=2, resources={"rayllm_engine_node": 1})
         info = cluster.info()
         os.environ["AIRFLOW_CONN_RAY_DEFAULT"] = info.airflow_conn_uri(output_base=str(test_home / "outputs-multi"))
         yield {"cluster": cluster, "info": info}
@@ -74,8 +76,19 @@ def test_a_pipeline_parallel_engine_runs_on_the_node_its_placement_asks_for(mult
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
 
     dag = load_dag("dags_examples", "example_model_parallel", "example_model_parallel")
-    # One replica of the example's settings (its default of two costs a second compiling engine here).
-    conf = {"model_source": str(smollm2), "concurrency": 1}
+    # One replica of the example's settings (its default of two costs a second compiling engine here), on
+    # the node that offers the accelerator type asked for. A type no node has fails before any engine starts.
+    missing = {"model_source": str(smollm2), "concurrency": 1, "accelerator_type": "A100"}
+    dag_run = dag.test(logical_date=utc(2026, 10, 2), run_after=utc(2026, 10, 2), run_conf=missing)
+    assert task_state(dag_run, "answer") == "failed"
+    (job,) = [j for j in RayJobHook().client.list_jobs() if (j.metadata or {}).get("airflow_run_id") == dag_run.run_id]
+    refusal = RayJobHook().get_job_logs(job.submission_id)
+    assert "vLLMEngineStageUDF" not in refusal, "no engine starts for a type the cluster lacks"
+    assert "accelerator_type='A100': no node of the Ray cluster offers 'accelerator_type:A100'" in refusal
+    assert f"the cluster's accelerator types: {ACCELERATOR}" in refusal
+
+    conf = {"model_source": str(smollm2), "concurrency": 1, "accelerator_type": ACCELERATOR}
+    dag = load_dag("dags_examples", "example_model_parallel", "example_model_parallel")
     dag_run = dag.test(logical_date=utc(2026, 10, 1), run_after=utc(2026, 10, 1), run_conf=conf)
     assert task_state(dag_run, "answer") == "success"
     manifest = xcom(dag.dag_id, dag_run.run_id, "answer", "return_value")
@@ -95,7 +108,14 @@ def test_a_pipeline_parallel_engine_runs_on_the_node_its_placement_asks_for(mult
     )
 
     engines, head = _engine_nodes(multi_node, manifest["submission_id"])
+    typed = {
+        n["node_id"]
+        for n in multi_node["cluster"].alive_nodes(multi_node["info"])
+        if f"accelerator_type:{ACCELERATOR}" in n["resources_total"]
+    }
+    assert len(typed) == 1
     assert len(engines) == 1 and engines[0] not in head, "the engine asked for a worker node's rayllm_engine_node"
+    assert engines[0] in typed, f"the engine asked for accelerator_type={ACCELERATOR!r}: only one node offers it"
 
 
 def test_tensor_parallel_replicas_run_one_per_worker_node_and_embed_right(multi_node):
