@@ -67,6 +67,20 @@ def image_data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def guide_image_parts(request: dict[str, Any]) -> None:
+    """The guide's image parts (``{"type": "image", "image": <PIL image or URL>}``), in place, as the
+    ``image_url`` parts that vLLM's chat parser (0.3x no longer knows ``image``) and OpenAI-style servers take."""
+    for message in request.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for i, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image" and "image" in part:
+                image = part["image"]
+                url = image_data_url(image) if _is_image(image) else image
+                content[i] = {"type": "image_url", "image_url": {"url": url}}
+
+
 def _jsonable(value: Any) -> Any:
     """Numpy values from Arrow rows become plain Python for the JSON request, and images data: URLs."""
     if _is_image(value):
@@ -290,6 +304,7 @@ class RequestBuilder:
                 raise ValueError(f"preprocess returned {type(request).__name__}, not a dict")
             if isinstance(request.get("sampling_params"), dict):
                 request["sampling_params"] = normalize_sampling_params(request["sampling_params"])
+            guide_image_parts(request)
             return request
         request: dict[str, Any] = {}
         if self.task_type == "generate":

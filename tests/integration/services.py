@@ -88,8 +88,9 @@ def gcs_server(log_dir: Path) -> Iterator[str]:
 
 
 @contextmanager
-def vllm_openai_server(model_dir: Path, name: str, log_dir: Path) -> Iterator[str]:
-    """vLLM's own OpenAI-compatible server on the CPU engine; about 40 s to answer."""
+def vllm_openai_server(model_dir: Path, name: str | list[str], log_dir: Path) -> Iterator[str]:
+    """vLLM's own OpenAI-compatible server on the CPU engine, serving the model under each name given;
+    about 40 s to answer."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -98,7 +99,7 @@ def vllm_openai_server(model_dir: Path, name: str, log_dir: Path) -> Iterator[st
         "--model",
         str(model_dir),
         "--served-model-name",
-        name,
+        *([name] if isinstance(name, str) else name),
         "--host",
         "127.0.0.1",
         "--port",

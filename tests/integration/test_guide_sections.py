@@ -179,3 +179,94 @@ def test_the_memory_faq_levers_reach_the_engine(quickstart_run):
     assert abs(requested - 0.15 * total) < 0.011, (requested, total)
     tokens = re.search(r"KV cache size: ([0-9,]+) tokens", logs)
     assert tokens is not None and int(tokens[1].replace(",", "")) % 32 == 0
+
+
+def _guide(dag_id: str, task_id: str, conf: dict, day: int) -> dict:
+    dag = load_dag("tests/dags", "guide_blocks", dag_id)
+    dag_run = dag.test(logical_date=utc(2026, 11, day), run_after=utc(2026, 11, day), run_conf=conf)
+    assert task_state(dag_run, task_id) == "success"
+    return xcom(dag.dag_id, dag_run.run_id, task_id, "return_value")
+
+
+def test_the_guides_quickstart_block_as_written(ray_conn, airflow_db, smollm2):
+    """tests/dags/guide_blocks.py's guide_quickstart: the guide's two from_items rows, its preprocess (chat
+    messages and per-row sampling_params) and postprocess unchanged; SmolLM2 for the guide's 8B model."""
+    manifest = _guide("guide_quickstart", "processor", {"model_source": str(smollm2)}, 1)
+    assert manifest["rows_in"] == manifest["rows_out"] == 2 and manifest["rows_errored"] == 0
+    assert manifest["engine_kwargs"]["max_model_len"] == 4096
+    rows = read_rows(manifest["output_files"])
+    assert all(set(r) == {"prompt", "response"} for r in rows), "the guide's postprocess gives the output row, exactly"
+    assert sorted(r["prompt"] for r in rows) == [
+        "Explain neural networks in one sentence.",
+        "What is machine learning?",
+    ]
+    assert all(r["response"].strip() for r in rows)
+    assert 0 < manifest["output_tokens"] <= 2 * 100, "the preprocess's max_tokens=100 reached the engine"
+
+
+@pytest.mark.gpu
+def test_the_guides_quickstart_block_on_a_gpu(ray_conn, airflow_db):
+    """The same DAG with the guide's own model (unsloth/Llama-3.1-8B-Instruct from the Hub) on a GPU cluster."""
+    manifest = _guide("guide_quickstart", "processor", {}, 2)
+    assert manifest["rows_out"] == 2 and manifest["rows_errored"] == 0
+
+
+def _lmms_eval_rows(folder) -> str:
+    """Rows shaped like LMMs-Eval-Lite's (the guide's dataset): an image struct with its bytes, a question and
+    a list of answer choices; the last image is broken."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    def png(color) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (64, 64), color).save(buf, format="PNG")
+        return buf.getvalue()
+
+    colors = [(220, 30, 30), (30, 60, 220), (30, 200, 60)] * 3
+    images = [{"bytes": png(c), "path": f"{i}.png"} for i, c in enumerate(colors)]
+    images.append({"bytes": b"\x89PNG\r\n\x1a\n not really a picture", "path": "broken.png"})
+    table = pa.table(
+        {
+            "question_id": list(range(len(images))),
+            "question": ["What color is this picture?"] * len(images),
+            "answer": [["red", "blue", "green"]] * len(images),
+            "image": images,
+        }
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, folder / "lmms.parquet")
+    return str(folder / "lmms.parquet")
+
+
+def test_the_guides_vlm_block_as_written(ray_conn, airflow_db, test_home):
+    """tests/dags/guide_blocks.py's guide_vlm: the guide's vision_preprocess (a PIL Image in the message,
+    sampling_params with detokenize=False) and vision_postprocess unchanged, its config (has_image, chunked
+    prefill, runtime_env) as arguments; the small random Idefics3 for Qwen2.5-VL, no accelerator type."""
+    from airflow_provider_rayllm.local.models import tiny_vlm_path
+
+    conf = {
+        "model_source": str(tiny_vlm_path()),
+        "input_uri": _lmms_eval_rows(test_home / "inputs" / "lmms"),
+        "max_model_len": 1024,  # the tiny model's own limit (the guide's 4096 fits Qwen2.5-VL)
+        "accelerator_type": None,
+    }
+    # Nine good images and one broken: at the default max_error_fraction of 0.1 the job publishes.
+    manifest = _guide("guide_vlm", "vision_processor", conf, 3)
+    assert manifest["rows_in"] == 10 and manifest["rows_out"] == 9 and manifest["rows_errored"] == 1
+    (error,) = read_rows(manifest["error_files"])
+    assert "UnidentifiedImageError" in error["error"], error["error"]
+    rows = read_rows(manifest["output_files"])
+    assert all(set(r) == {"resp"} for r in rows), "the guide's vision_postprocess gives the output row, exactly"
+    # The guide's detokenize=False leaves the text to a detokenize step: the answers are text, not empty.
+    assert all(r["resp"] for r in rows)
+    assert 0 < manifest["output_tokens"] <= 9 * 150
+
+
+@pytest.mark.gpu
+def test_the_guides_vlm_block_on_a_gpu(ray_conn, airflow_db):
+    """The same DAG as the guide has it: Qwen2.5-VL-3B-Instruct on an L4 node, LMMs-Eval-Lite from the Hub."""
+    manifest = _guide("guide_vlm", "vision_processor", {}, 4)
+    assert manifest["rows_out"] > 0 and all(r["resp"] for r in read_rows(manifest["output_files"]))

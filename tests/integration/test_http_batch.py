@@ -18,7 +18,8 @@ API_KEY = "canary-llm-key-93b1"
 
 @pytest.fixture(scope="module")
 def vllm_endpoint(smollm2, service_logs):
-    with vllm_openai_server(smollm2, "smollm2", service_logs) as base_url:
+    # SmolLM2, also under the name the guide's OpenAI block asks for in its payload.
+    with vllm_openai_server(smollm2, ["smollm2", "gpt-4o-mini"], service_logs) as base_url:
         yield base_url
 
 
@@ -54,6 +55,23 @@ def test_answers_every_row_with_usage_and_cost(ray_conn, airflow_db, vllm_endpoi
     sid = manifest["submission_id"]
     assert API_KEY not in json.dumps(hook.get_job_info(sid)) and API_KEY not in hook.get_job_logs(sid)
     assert API_KEY not in json.dumps(manifest)
+
+
+def test_the_guides_openai_block_as_written(ray_conn, airflow_db, vllm_endpoint, monkeypatch):
+    """tests/dags/guide_blocks.py's guide_openai_endpoint: the guide's preprocess (a payload) and postprocess
+    (reading row["http_response"]) unchanged, on its from_items row, against a real OpenAI-compatible server."""
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_OPENAI_ENDPOINT", json.dumps({"conn_type": "http", "host": vllm_endpoint, "password": API_KEY})
+    )
+    dag = load_dag("tests/dags", "guide_blocks", "guide_openai_endpoint")
+    dag_run = dag.test(logical_date=utc(2026, 9, 3), run_after=utc(2026, 9, 3), run_conf={})
+    assert task_state(dag_run, "processor") == "success"
+    manifest = xcom(dag.dag_id, dag_run.run_id, "processor", "return_value")
+    assert manifest["rows_in"] == manifest["rows_out"] == 1 and manifest["rows_errored"] == 0
+    (row,) = read_rows(manifest["output_files"])
+    assert set(row) == {"response"}, "the guide's postprocess gives the output row, exactly"
+    assert row["response"].strip()
+    assert 0 < manifest["output_tokens"] <= 150
 
 
 def test_a_429_storm_loses_no_row_and_keeps_under_the_qps_cap(

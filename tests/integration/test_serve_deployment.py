@@ -14,7 +14,9 @@ from tests.integration.helpers import load_dag, read_rows, task_state, utc, xcom
 
 pytestmark = pytest.mark.integration
 
-APP, DEPLOYMENT, MODEL = "chat_app", "chat_llm", "smollm2"
+# The guide's names: its app and deployment, and the model id its requests name (SmolLM2's weights here).
+APP, DEPLOYMENT, MODEL = "demo_app", "demo_deployment", "facebook/opt-1.3b"
+CONF = {"model": MODEL, "serve_app": APP, "serve_deployment": DEPLOYMENT}
 
 
 def _serve_app(ray_conn, test_home, *args: str) -> subprocess.CompletedProcess:
@@ -62,7 +64,7 @@ def _job_log(manifest) -> str:
 
 def test_two_chained_tasks_share_the_serve_deployment(serve_app, airflow_db):
     dag = load_dag("dags_examples", "example_serve_deployment", "example_serve_deployment")
-    dag_run = dag.test(logical_date=utc(2026, 8, 20), run_after=utc(2026, 8, 20), run_conf={})
+    dag_run = dag.test(logical_date=utc(2026, 8, 20), run_after=utc(2026, 8, 20), run_conf=CONF)
     assert task_state(dag_run, "first_turn") == "success"
     assert task_state(dag_run, "second_turn") == "success"
     first = xcom(dag.dag_id, dag_run.run_id, "first_turn", "return_value")
@@ -86,7 +88,7 @@ def test_two_chained_tasks_share_the_serve_deployment(serve_app, airflow_db):
 def test_an_unknown_deployment_is_named_before_any_row_is_sent(serve_app, airflow_db):
     dag = load_dag("dags_examples", "example_serve_deployment", "example_serve_deployment")
     dag_run = dag.test(
-        logical_date=utc(2026, 8, 21), run_after=utc(2026, 8, 21), run_conf={"serve_deployment": "no_such_llm"}
+        logical_date=utc(2026, 8, 21), run_after=utc(2026, 8, 21), run_conf={**CONF, "serve_deployment": "no_such_llm"}
     )
     assert task_state(dag_run, "first_turn") == "failed"
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
@@ -97,4 +99,26 @@ def test_an_unknown_deployment_is_named_before_any_row_is_sent(serve_app, airflo
     errors = [
         line for line in hook.get_job_logs(jobs[0].submission_id).splitlines() if line.startswith("RAYLLM_ERROR ")
     ]
-    assert errors and "serve_deployment 'no_such_llm'" in errors[-1] and "'chat_llm'" in errors[-1]
+    assert errors and "serve_deployment 'no_such_llm'" in errors[-1] and f"'{DEPLOYMENT}'" in errors[-1]
+
+
+def test_the_guides_chained_processors_as_written(serve_app, airflow_db):
+    """tests/dags/guide_blocks.py's guide_serve_chain: the guide's two processors, their preprocess and
+    postprocess unchanged (completions requests with dtype CompletionRequest), on ray.data.range(10)'s rows."""
+    dag = load_dag("tests/dags", "guide_blocks", "guide_serve_chain")
+    dag_run = dag.test(logical_date=utc(2026, 8, 22), run_after=utc(2026, 8, 22), run_conf={})
+    assert task_state(dag_run, "processor1") == "success" and task_state(dag_run, "processor2") == "success"
+    first = xcom(dag.dag_id, dag_run.run_id, "processor1", "return_value")
+    second = xcom(dag.dag_id, dag_run.run_id, "processor2", "return_value")
+    assert first["rows_in"] == first["rows_out"] == 10 and first["rows_errored"] == 0
+    assert second["rows_in"] == second["rows_out"] == 10 and second["rows_errored"] == 0
+    prompts = read_rows(first["output_files"])
+    assert all(set(r) == {"prompt"} for r in prompts), "processor1's postprocess gives the output row, exactly"
+    assert all(r["prompt"].strip() for r in prompts), "each completion has text"
+    continued = read_rows(second["output_files"])
+    # processor2's postprocess returns the whole row: the deployment's completion body is in it.
+    assert sorted(r["prompt"] for r in continued) == sorted(r["prompt"] for r in prompts)
+    assert all(r["choices"][0]["text"].strip() for r in continued)
+    for manifest in (first, second):
+        log = _job_log(manifest)
+        assert "vLLMEngineStageUDF" not in log and "ServeDeploymentStageUDF" in log

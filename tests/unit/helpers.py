@@ -7,3 +7,23 @@ def to_request(row):
 
 def bad_request(row):
     return [row]
+
+
+def guide_image_request(row):
+    """The shape of the guide's vision_preprocess: a PIL image in a {"type": "image"} part, detokenize off."""
+    import io
+
+    from PIL import Image
+
+    return {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": row["q"]},
+                    {"type": "image", "image": Image.open(io.BytesIO(row["image"]["bytes"]))},
+                ],
+            }
+        ],
+        "sampling_params": {"max_tokens": 3, "detokenize": False},
+    }

@@ -267,3 +267,21 @@ def test_image_column_is_for_generation_with_a_prompt_column_or_template():
     }
     with pytest.raises(SpecError, match="image_column needs task_type 'generate'"):
         parse_spec(json.dumps(body))
+
+
+def test_the_guides_pil_image_part_becomes_an_image_url_part_the_engine_takes():
+    import base64
+
+    from airflow_provider_rayllm.job.engines.vllm import unpack_request
+
+    out = build({"preprocess": {"import_path": "tests.unit.helpers:guide_image_request"}})(
+        {"id": 1, "q": "What color?", "image": {"bytes": _png()}}
+    )
+    assert out[PRE_ERROR] == ""
+    text, image = json.loads(out[REQUEST])["messages"][0]["content"]
+    assert text == {"type": "text", "text": "What color?"}
+    assert image["type"] == "image_url" and image["image_url"]["url"].startswith("data:image/png;base64,")
+    assert base64.b64decode(image["image_url"]["url"].split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+    # The engine makes the text itself (no detokenize stage): the guide's detokenize=False is dropped there.
+    assert "detokenize" not in unpack_request(dict(out))["sampling_params"]
+    assert unpack_request(dict(out), engine_detokenizes=False)["sampling_params"]["detokenize"] is False

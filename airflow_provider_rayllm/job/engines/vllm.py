@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -568,14 +569,21 @@ def _stage(value: bool | dict[str, Any], profile: str) -> bool | dict[str, Any]:
     return stage
 
 
-def unpack_request(row: dict[str, Any]) -> dict[str, Any]:
+def unpack_request(row: dict[str, Any], engine_detokenizes: bool = True) -> dict[str, Any]:
     """Ray's preprocess: our request, unpacked; a row that could not be prompted carries its reason in
-    Ray's error column, so every stage of the processor passes it through untouched."""
+    Ray's error column, so every stage of the processor passes it through untouched.
+
+    When the engine makes the text (no detokenize stage), a request's ``detokenize: False`` (the guide's
+    VLM preprocess sets it, leaving the text to Ray's detokenize stage) is dropped: kept, it would leave
+    every answer empty."""
     error = row.pop(PRE_ERROR, "")
     body = row.pop(REQUEST, "{}")
     if error:
         return {ERROR: error}
     request = json.loads(body)
+    params = request.get("sampling_params")
+    if engine_detokenizes and isinstance(params, dict) and params.get("detokenize") is False:
+        del params["detokenize"]
     request[ERROR] = ""
     return request
 
@@ -615,9 +623,11 @@ def build(
         should_continue_on_error=True,
     )
     builder_kwargs = {"chat_template_kwargs": spec.chat_template_kwargs} if spec.chat_template_kwargs else None
+    detokenize = spec.detokenize_stage if spec.task_type == "generate" else False
+    detokenize_on = bool(detokenize.get("enabled", True)) if isinstance(detokenize, dict) else bool(detokenize)
     return build_processor(
         config,
-        preprocess=unpack_request,
+        preprocess=functools.partial(unpack_request, engine_detokenizes=not detokenize_on),
         preprocess_map_kwargs=LIGHT,
         postprocess_map_kwargs=LIGHT,
         builder_kwargs=builder_kwargs,
