@@ -120,6 +120,8 @@ class JobLogView:
 
     WORKER = re.compile(r"^(?:\x1b\[\d+m)?\(.*?pid=\d+(?:, ip=[\d.]+)?\)(?:\x1b\[0m)?\s?")
     SHUTDOWN_NOISE = ("EngineDeadError", "KeyError: '/psm_", "resource_tracker")
+    # The line vLLM's engine logs just before that traceback.
+    SHUTDOWN_LINES = ("AsyncLLM output_handler failed",)
 
     def __init__(self) -> None:
         self.traceback: list[str] | None = None
@@ -143,6 +145,8 @@ class JobLogView:
             self.traceback = [line]
             return []
         if worker and not any(level in text for level in ("ERROR", "Error:", "CRITICAL")):
+            return []
+        if worker and any(noise in text for noise in self.SHUTDOWN_LINES):
             return []
         return [line]
 

@@ -439,6 +439,8 @@ def test_the_task_log_shows_the_drivers_lines_and_real_errors_not_engine_chatter
     log = [
         "2026-12-01 23:43:23,941 INFO rayllm: input: 1 jsonl file(s)",
         engine + "INFO 12-01 [core.py:402] init engine took 5.23 s",
+        # As the H200 run's engine logged it when the job ended, before the traceback below.
+        engine + "ERROR 12-02 07:22:10 [async_llm.py:704] AsyncLLM output_handler failed.",
         engine + "Traceback (most recent call last):",
         engine + '  File "async_llm.py", line 3, in output_handler',
         engine + "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
@@ -453,7 +455,7 @@ def test_the_task_log_shows_the_drivers_lines_and_real_errors_not_engine_chatter
     ]
     view = JobLogView()
     shown = [line for raw in log for line in view.feed(raw)]
-    assert shown == [log[0], log[8], log[9], log[10], log[11], log[12]]
+    assert shown == [log[0], log[9], log[10], log[11], log[12], log[13]]
 
 
 def test_a_job_error_raised_in_a_stage_actor_is_found_in_rays_text():
