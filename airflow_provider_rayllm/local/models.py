@@ -180,11 +180,104 @@ def tiny_vlm_path(models_dir: Path = MODELS_DIR) -> Path:
     return target
 
 
+SENTIMENT = "minilm-sentiment"
+# Short reviews the classifier learns from (the tests judge it on other sentences).
+_POSITIVE = [
+    "I loved this film, it was wonderful.",
+    "What a great product, works perfectly.",
+    "Absolutely fantastic service, thank you!",
+    "The food was delicious and the staff were kind.",
+    "This is the best book I have read all year.",
+    "I am very happy with my purchase.",
+    "Brilliant performance, I enjoyed every minute.",
+    "Such a pleasant surprise, highly recommended.",
+    "The hotel was clean, quiet and lovely.",
+    "Great value for money, I would buy it again.",
+    "The concert was amazing and the crowd was joyful.",
+    "Excellent quality, it exceeded my expectations.",
+    "My new phone is fast and beautiful.",
+    "A heartwarming story with a happy ending.",
+    "The team did a superb job on the project.",
+    "I adore this little cafe, the coffee is perfect.",
+    "Wonderful weather today, everything feels great.",
+    "The course was clear, useful and fun.",
+    "Friendly people and a beautiful city.",
+    "This update made the app so much better.",
+    "I was not disappointed at all.",
+    "Nothing bad to say, it was great.",
+]
+_NEGATIVE = [
+    "I hated this film, it was awful.",
+    "What a terrible product, it broke at once.",
+    "Absolutely horrible service, never again.",
+    "The food was cold and the staff were rude.",
+    "This is the worst book I have read all year.",
+    "I am very disappointed with my purchase.",
+    "Boring performance, I wanted to leave.",
+    "Such an unpleasant experience, avoid it.",
+    "The hotel was dirty, noisy and awful.",
+    "A waste of money, I regret buying it.",
+    "The concert was a disaster and the sound was bad.",
+    "Poor quality, it fell apart in a week.",
+    "My new phone is slow and ugly.",
+    "A depressing story with a miserable ending.",
+    "The team did a sloppy job on the project.",
+    "I dislike this cafe, the coffee is bitter.",
+    "Horrible weather today, everything feels gloomy.",
+    "The course was confusing, useless and dull.",
+    "Rude people and a dirty city.",
+    "This update made the app much worse.",
+    "I did not like the show.",
+    "The food was not good.",
+    "It did not work at all.",
+    "I was not happy with the room.",
+]
+
+
+def sentiment_classifier_path(models_dir: Path = MODELS_DIR) -> Path:
+    """A small real sequence-classification model (``BertForSequenceClassification``, labels negative /
+    positive): all-MiniLM-L6-v2 from its PyPI package, fine-tuned here on the short reviews above (12 full-batch
+    steps, seeded; about 30 s on 2 cores). vLLM runs it with ``task_type="classify"``."""
+    target = models_dir / SENTIMENT
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    source = minilm_path()
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = BertForSequenceClassification.from_pretrained(
+        source, num_labels=2, id2label={0: "negative", 1: "positive"}, label2id={"negative": 0, "positive": 1}
+    )
+    batch = tokenizer(_POSITIVE + _NEGATIVE, padding=True, return_tensors="pt")
+    labels = torch.tensor([1] * len(_POSITIVE) + [0] * len(_NEGATIVE))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+    for _ in range(12):
+        optimizer.zero_grad()
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+    model.eval()
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Prepare the embedded models.")
-    parser.add_argument("--print", choices=["smollm2", "minilm", "vlm"], help="print one model's folder")
+    parser.add_argument("--print", choices=["smollm2", "minilm", "vlm", "classifier"], help="print one model's folder")
     args = parser.parse_args(argv)
-    paths = {"smollm2": smollm2_path(), "minilm": minilm_path(), "vlm": tiny_vlm_path()}
+    paths = {
+        "smollm2": smollm2_path(),
+        "minilm": minilm_path(),
+        "vlm": tiny_vlm_path(),
+        "classifier": sentiment_classifier_path(),
+    }
     if args.print:
         print(paths[args.print])
     else:

@@ -270,3 +270,45 @@ def test_the_guides_vlm_block_on_a_gpu(ray_conn, airflow_db):
     """The same DAG as the guide has it: Qwen2.5-VL-3B-Instruct on an L4 node, LMMs-Eval-Lite from the Hub."""
     manifest = _guide("guide_vlm", "vision_processor", {}, 4)
     assert manifest["rows_out"] > 0 and all(r["resp"] for r in read_rows(manifest["output_files"]))
+
+
+def test_classify_with_a_real_classifier_gives_sensible_labels(ray_conn, airflow_db, test_home):
+    """task_type='classify' end to end with a real sequence-classification model (MiniLM fine-tuned on short
+    reviews by the setup), on reviews it never saw: each row's class probabilities, and its label by name."""
+    from airflow_provider_rayllm.local.models import sentiment_classifier_path
+    from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
+
+    positive = [
+        "The movie was delightful and moving.",
+        "I really enjoyed the meal.",
+        "Fantastic support, they solved my problem quickly.",
+        "This gadget is wonderful.",
+    ]
+    negative = [
+        "The movie was dreadful and boring.",
+        "Terrible support, they ignored my problem.",
+        "This gadget is useless junk.",
+        "The room smelled bad and the bed was broken.",
+    ]
+    op = VLLMBatchOperator(
+        task_id="classify",
+        model_source=str(sentiment_classifier_path()),
+        task_type="classify",
+        input_rows=[{"text": t, "truth": "positive"} for t in positive]
+        + [{"text": t, "truth": "negative"} for t in negative],
+        prompt_column="text",
+        output_column="probs",
+        output_uri=str(test_home / "out" / "classify"),
+        deferrable=False,
+        poll_interval=1.0,
+    )
+    from tests.integration.helpers import StandInTI
+
+    manifest = op.execute({"ti": StandInTI("classify_test", "manual__classify", "classify")})
+    assert manifest["rows_in"] == manifest["rows_out"] == 8 and manifest["rows_errored"] == 0
+    rows = read_rows(manifest["output_files"])
+    for row in rows:
+        negative_p, positive_p = row["probs"]
+        assert abs(negative_p + positive_p - 1) < 1e-3, row
+        assert row["label"] == row["truth"], row
+        assert (positive_p if row["truth"] == "positive" else negative_p) > 0.75, row

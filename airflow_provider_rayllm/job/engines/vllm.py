@@ -188,6 +188,19 @@ def model_max_len(model_source: str, engine_kwargs: dict[str, Any]) -> int | Non
             return None
 
 
+def model_labels(model_source: str) -> list[str] | None:
+    """A sequence-classification model's class names, in output order (its config's ``id2label``); None
+    when the config has none or cannot be read."""
+    with _readable_config(model_source) as source:
+        path = os.path.join(os.path.expanduser(source.removeprefix("file://")), "config.json")
+        try:
+            with open(path, encoding="utf-8") as handle:
+                id2label = json.load(handle).get("id2label") or {}
+            return [str(id2label[str(i)]) for i in range(len(id2label))]
+        except (OSError, ValueError, KeyError):
+            return None
+
+
 class _readable_config:
     """The model's config files where vLLM can read them: a bucket model's are copied to a temp folder."""
 
@@ -676,13 +689,17 @@ def logprob_records(logprobs: Any) -> list[list[dict[str, Any]]]:
 class VLLMShaper(Shaper):
     """vLLM's answer: ``generated_text`` (generate) or ``embeddings`` (embed, classify, score)."""
 
-    def __init__(self, spec: JobSpec, package_dir: str):
+    def __init__(self, spec: JobSpec, package_dir: str, labels: list[str] | None = None):
         super().__init__(spec, package_dir)
         self.generate = spec.task_type == "generate"
+        self.labels = labels
 
     def answer(self, row: dict[str, Any]) -> tuple[Any, int, int, dict[str, Any]]:
         value = row.get("generated_text") if self.generate else plain(row.get("embeddings"))
         extra = {"logprobs": logprob_records(row["logprobs"])} if self.generate and row.get("logprobs") else {}
+        if self.labels and isinstance(value, list) and len(value) == len(self.labels):
+            # classify: the class probabilities in output_column, and the likeliest class by its name.
+            extra["label"] = self.labels[max(range(len(value)), key=value.__getitem__)]
         return value, count(row.get("num_input_tokens")), count(row.get("num_generated_tokens")), extra
 
     def view(self, row: dict[str, Any], stash: dict[str, Any], value: Any) -> dict[str, Any]:
@@ -707,6 +724,7 @@ class VLLMEngine(Engine):
         check_task_type(p.task_type)
         gpus = cluster_gpus()
         self.profile = resolve_profile(p, gpus)
+        self.labels = model_labels(p.model_source) if p.task_type == "classify" else None
         self.card = probe_gpu(p.accelerator_type) if self.profile == "gpu" else None
         if self.card is not None:
             limits = gpu_engine_defaults(self.card)
@@ -764,7 +782,7 @@ class VLLMEngine(Engine):
         return build(self.p, self.profile, self.engine_kwargs, self.placement, self.feed)(ds)
 
     def shaper(self) -> Shaper:
-        return VLLMShaper(self.spec, self.package_dir)
+        return VLLMShaper(self.spec, self.package_dir, getattr(self, "labels", None))
 
     def tokens_out(self) -> Callable[[Any], int]:
         return column_sum("num_generated_tokens")
