@@ -193,41 +193,6 @@ def test_an_endless_file_is_an_error_not_an_out_of_memory():
         image_url("/dev/zero", max_bytes=65536)
 
 
-def test_a_pil_image_in_a_preprocess_request_becomes_a_data_url(tmp_path):
-    """The guide's VLM preprocess puts Image.open(...) into the message."""
-    import json as _json
-
-    from PIL import Image
-
-    from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, RequestBuilder
-    from airflow_provider_rayllm.spec import PromptSpec
-
-    def preprocess(row):
-        from io import BytesIO
-
-        return {
-            "messages": [{"role": "user", "content": [{"type": "image", "image": Image.open(BytesIO(row["img"]))}]}]
-        }
-
-    import cloudpickle
-
-    (tmp_path / "pre.pkl").write_bytes(cloudpickle.dumps(preprocess))
-    prompt = PromptSpec(preprocess={"pickled": "pre.pkl"})
-    out = RequestBuilder(prompt, "generate", ["id"], str(tmp_path))({"id": 1, "img": _png()})
-    assert out[PRE_ERROR] == ""
-    (part,) = _json.loads(out[REQUEST])["messages"][0]["content"]
-    assert part["type"] == "image" and part["image"].startswith("data:image/png;base64,")
-
-
-@pytest.mark.parametrize(
-    "cell, message",
-    [
-        (b"\x89PNG not an image", "not a readable image"),
-        (None, "empty"),
-        (42, "holds int"),
-        ("/no/such/picture.png", "cannot be read"),
-    ],
-)
 def test_a_bad_image_cell_is_refused_with_its_reason(cell, message):
     from airflow_provider_rayllm.job.requests import image_url
 
