@@ -109,6 +109,13 @@ class StandInTI:
         return self.xcom.get(key)
 
 
+class ClearedRun:
+    """The ``dag_run`` of a task's context after a user cleared the run ``clear_number`` times."""
+
+    def __init__(self, clear_number: int):
+        self.clear_number = clear_number
+
+
 def load_dag(folder: str, file_name: str, dag_id: str) -> Any:
     """A fresh DAG object from its file, as a worker parses it for each task run.
 

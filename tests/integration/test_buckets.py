@@ -182,3 +182,18 @@ def test_jsonl_glob_from_s3_to_jsonl_on_gcs_and_partitioned_csv_from_gcs_to_s3(r
         rows += pq.read_table(io.BytesIO(body)).to_pylist()
     assert sorted(int(r["id"]) for r in rows) == [1, 2, 3]
     assert {r["response"] for r in rows} == {f"echo: csv question {i}" for i in (1, 2, 3)}
+
+    # The user clears that run: its rerun writes a new generation into the bucket, publishes it, and then
+    # removes the older generation's objects; the manifest names the new one.
+    from tests.integration.helpers import ClearedRun
+
+    again = _echo_op("csv", "gs://questions/csv/", "s3://formats/csv-out").execute(
+        {"ti": StandInTI("formats", "manual__csv", "csv"), "dag_run": ClearedRun(1)}
+    )
+    assert again["submission_id"] != manifest["submission_id"] and again["rows_out"] == 3
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="formats", Prefix="csv-out/")["Contents"]]
+    # (pyarrow leaves empty "folder" marker objects such as ".../_generations/"; they name no generation)
+    generations = {k.split("/_generations/")[1].split("/")[0] for k in keys if "/_generations/" in k} - {""}
+    assert generations == {again["generation"]}, "the older generation is removed once the new manifest is in place"
+    published = json.loads(s3.get_object(Bucket="formats", Key="csv-out/manifest.json")["Body"].read())
+    assert published["submission_id"] == again["submission_id"]

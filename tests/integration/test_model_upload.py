@@ -1,6 +1,9 @@
-"""ModelUploadOperator on the local stack: SmolLM2 uploaded to moto's S3 and to the GCS emulator,
+"""ModelUploadOperator on the local stack: a model uploaded to moto's S3 and to the GCS emulator,
 repeated (skipped), changed (re-uploaded), interrupted (completed by a retry), refused when the
-destination holds another model; then inference from the bucket gives the local folder's answers."""
+destination holds another model; then SmolLM2's inference from the bucket gives the local folder's answers.
+
+The upload-only checks move the small Idefics3 folder (29 MB, seven files) rather than SmolLM2 (260 MB):
+what they check does not depend on the model's size."""
 
 from __future__ import annotations
 
@@ -37,6 +40,13 @@ def s3(s3_endpoint):
     mp.undo()
 
 
+@pytest.fixture(scope="module")
+def small_model():
+    from airflow_provider_rayllm.local.models import tiny_vlm_path
+
+    return tiny_vlm_path()
+
+
 def upload(model_source, bucket_uri, task="upload", **kw):
     """Run the operator's execute() as a task instance would (non-deferred, real Ray job)."""
     from airflow_provider_rayllm.operators.model_upload import ModelUploadOperator
@@ -48,8 +58,8 @@ def upload(model_source, bucket_uri, task="upload", **kw):
     return op.execute({"ti": ti}), ti
 
 
-def test_fresh_then_repeated_then_changed(ray_conn, smollm2, s3, tmp_path):
-    first, ti = upload(smollm2, "s3://models/fresh", aws_conn_id="aws_default")
+def test_fresh_then_repeated_then_changed(ray_conn, small_model, s3, tmp_path):
+    first, ti = upload(small_model, "s3://models/fresh", aws_conn_id="aws_default")
     assert first["skipped"] is False and first["uploaded_files"] == first["file_count"] >= 5
     assert ti.xcom["model_uri"] == "s3://models/fresh"
     keys = {o["Key"]: o["Size"] for o in s3.list_objects_v2(Bucket="models", Prefix="fresh/")["Contents"]}
@@ -58,11 +68,11 @@ def test_fresh_then_repeated_then_changed(ray_conn, smollm2, s3, tmp_path):
     stored = json.loads(s3.get_object(Bucket="models", Key="fresh/rayllm-model-manifest.json")["Body"].read())
     assert stored["checksum"] == first["checksum"]
 
-    again, _ = upload(smollm2, "s3://models/fresh", task="upload_again", aws_conn_id="aws_default")
+    again, _ = upload(small_model, "s3://models/fresh", task="upload_again", aws_conn_id="aws_default")
     assert again["skipped"] is True and again["uploaded_files"] == 0 and again["checksum"] == first["checksum"]
 
-    changed_dir = tmp_path / "smol-changed"
-    shutil.copytree(smollm2, changed_dir)
+    changed_dir = tmp_path / "small-changed"
+    shutil.copytree(small_model, changed_dir)
     config = json.loads((changed_dir / "generation_config.json").read_text())
     (changed_dir / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.5}))
     # Same model_source name is what makes it "the same model, changed"; use overwrite for a new path.
@@ -73,24 +83,24 @@ def test_fresh_then_repeated_then_changed(ray_conn, smollm2, s3, tmp_path):
     assert changed["checksum"] != first["checksum"]
 
 
-def test_interrupted_upload_is_completed_by_a_retry(ray_conn, smollm2, s3):
-    first, _ = upload(smollm2, "s3://models/interrupted", aws_conn_id="aws_default")
+def test_interrupted_upload_is_completed_by_a_retry(ray_conn, small_model, s3):
+    first, _ = upload(small_model, "s3://models/interrupted", aws_conn_id="aws_default")
     # What an interruption leaves: no manifest, one file cut short, one missing.
     s3.delete_object(Bucket="models", Key="interrupted/rayllm-model-manifest.json")
     weights = s3.get_object(Bucket="models", Key="interrupted/model.safetensors")["Body"].read()
     s3.put_object(Bucket="models", Key="interrupted/model.safetensors", Body=weights[: len(weights) // 2])
     s3.delete_object(Bucket="models", Key="interrupted/tokenizer.json")
-    retried, _ = upload(smollm2, "s3://models/interrupted", task="retry", aws_conn_id="aws_default")
+    retried, _ = upload(small_model, "s3://models/interrupted", task="retry", aws_conn_id="aws_default")
     assert retried["skipped"] is False and retried["uploaded_files"] >= 2
     assert retried["checksum"] == first["checksum"]
     body = s3.get_object(Bucket="models", Key="interrupted/model.safetensors")["Body"].read()
     assert body == weights
 
 
-def test_another_model_at_the_destination_is_refused(ray_conn, smollm2, s3, tmp_path):
+def test_another_model_at_the_destination_is_refused(ray_conn, small_model, s3, tmp_path):
     from airflow_provider_rayllm.exceptions import RayJobFailed
 
-    upload(smollm2, "s3://models/taken", aws_conn_id="aws_default")
+    upload(small_model, "s3://models/taken", aws_conn_id="aws_default")
     other = tmp_path / "other-model"
     other.mkdir()
     (other / "config.json").write_text("{}")

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from tests.integration.helpers import (
+    ClearedRun,
     StandInTI,
     echo_connection,
     echo_operator,
@@ -157,7 +158,7 @@ def test_a_restarted_head_is_job_lost_and_the_retry_runs_a_new_job(restartable_c
     rerun_ti = StandInTI("reliability", "manual__lost", "lost", try_number=3)
     rerun = _http_op("lost", bad_input, output_uri, ray_conn_id="ray_restart", max_error_fraction=0.0)
     with pytest.raises(RayJobFailed, match="above max_error_fraction=0.0; nothing was published"):
-        rerun.execute({"ti": rerun_ti, "dag_run": _Cleared(1)})
+        rerun.execute({"ti": rerun_ti, "dag_run": ClearedRun(1)})
     assert rerun_ti.xcom["submission_id"].endswith("-g0"), "the fresh cluster numbers its jobs from 0 again"
     published = json.loads((test_home / "out" / "lost" / "manifest.json").read_text())
     assert published["submission_id"] == manifest["submission_id"]
@@ -176,13 +177,6 @@ def test_a_restarted_head_is_job_lost_and_the_retry_runs_a_new_job(restartable_c
         jobs_submitted_for_a_published_retry_on_a_fresh_cluster=jobs_after_second_restart,
         rows_readable_after_a_failed_rerun_on_a_fresh_cluster=len(kept),
     )
-
-
-class _Cleared:
-    """The run as Airflow's context gives it after a user cleared it ``clear_number`` times."""
-
-    def __init__(self, clear_number: int):
-        self.clear_number = clear_number
 
 
 def test_a_crash_between_the_table_and_the_manifest_is_repaired_by_the_retry(ray_conn, echo, test_home, monkeypatch):

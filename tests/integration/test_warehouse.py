@@ -110,30 +110,6 @@ def test_backfilled_dates_have_disjoint_complete_outputs(backfill, warehouse):
     assert len({m["submission_id"] for m in backfill["manifests"].values()}) == len(DATES)
 
 
-def test_rerun_of_one_date_replaces_its_output(backfill, warehouse, smollm2):
-    s3, day = warehouse["s3"], DATES[1]
-    before = backfill["manifests"][day]
-    date = utc(*map(int, day.split("-")))
-    dag = load_dag("dags_examples", "example_postgres_to_s3", "example_postgres_to_s3")
-    from tests.integration.helpers import delete_runs
-
-    delete_runs(dag.dag_id)
-    dag_run = dag.test(logical_date=date, run_after=date, run_conf={**backfill["conf"], "max_tokens": 20})
-    assert task_state(dag_run, "summarize_tickets") == "success"
-    after = xcom(dag.dag_id, dag_run.run_id, "summarize_tickets", "return_value")
-    assert after["submission_id"] != before["submission_id"]
-    assert after["rows_out"] == before["rows_out"] == 3
-    assert sorted(r["id"] for r in _rows(s3, after)) == [10, 11, 12]
-    keys = _objects(s3, f"tickets/{day}/")
-    # (pyarrow leaves empty "folder" marker objects such as ".../_generations/"; they name no generation)
-    generations = {k.split("/_generations/")[1].split("/")[0] for k in keys if "/_generations/" in k} - {""}
-    assert generations == {after["generation"]}, "the older generation is removed once the new manifest is in place"
-    published = json.loads(s3.get_object(Bucket="llm-outputs", Key=f"tickets/{day}/manifest.json")["Body"].read())
-    assert published["submission_id"] == after["submission_id"]
-    # The other dates were not touched.
-    assert _objects(s3, f"tickets/{DATES[0]}/manifest.json") == [f"tickets/{DATES[0]}/manifest.json"]
-
-
 def _sql_job_error(hook, dag_run):
     jobs = [j for j in hook.client.list_jobs() if (j.metadata or {}).get("airflow_run_id") == dag_run.run_id]
     assert len(jobs) == 1
