@@ -5,6 +5,7 @@ call it. Neither job starts an engine; the second reads the first's output throu
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -62,16 +63,24 @@ def _job_log(manifest) -> str:
     return RayJobHook().get_job_logs(manifest["submission_id"])
 
 
-def test_two_chained_tasks_share_the_serve_deployment(serve_app, airflow_db):
+def test_two_chained_tasks_share_the_serve_deployment(serve_app, airflow_db, test_home):
+    from airflow_provider_rayllm.local.defaults import DEMO_INPUT
+    from tests.integration.helpers import write_jsonl
+
+    # The demo's first six questions (each answer is generated on the 2-core cluster's one replica).
+    questions = [json.loads(line) for line in DEMO_INPUT.read_text().splitlines() if line.strip()][:6]
+    input_uri = write_jsonl(test_home / "inputs" / "serve-chain.jsonl", questions)
     dag = load_dag("dags_examples", "example_serve_deployment", "example_serve_deployment")
-    dag_run = dag.test(logical_date=utc(2026, 8, 20), run_after=utc(2026, 8, 20), run_conf=CONF)
+    dag_run = dag.test(
+        logical_date=utc(2026, 8, 20), run_after=utc(2026, 8, 20), run_conf={**CONF, "input_uri": input_uri}
+    )
     assert task_state(dag_run, "first_turn") == "success"
     assert task_state(dag_run, "second_turn") == "success"
     first = xcom(dag.dag_id, dag_run.run_id, "first_turn", "return_value")
     second = xcom(dag.dag_id, dag_run.run_id, "second_turn", "return_value")
     assert first["kind"] == second["kind"] == "serve"
-    assert first["rows_in"] == first["rows_out"] == 16 and first["rows_errored"] == 0
-    assert second["rows_in"] == second["rows_out"] == 16 and second["rows_errored"] == 0
+    assert first["rows_in"] == first["rows_out"] == len(questions) and first["rows_errored"] == 0
+    assert second["rows_in"] == second["rows_out"] == len(questions) and second["rows_errored"] == 0
     answers = {r["id"]: r for r in read_rows(first["output_files"])}
     assert all(r["response"].strip() for r in answers.values())
     assert first["output_tokens"] == sum(r["num_generated_tokens"] for r in answers.values()) > 0
