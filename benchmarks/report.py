@@ -34,19 +34,26 @@ def _plt():
     return plt
 
 
+def _part_files(part: str) -> list[Path]:
+    return sorted(RESULTS.glob(f"20??-??-??-{part}.json"))
+
+
 def latest_date() -> str:
-    dates = sorted({p.name[:10] for p in RESULTS.glob("20??-??-??-*.json") if not p.name.endswith("-gpu.json")})
+    dates = sorted({p.name[:10] for part in PARTS for p in _part_files(part)})
     if not dates:
         raise SystemExit("no benchmark results yet: run `make bench`")
     return dates[-1]
 
 
 def load_parts(day: str) -> dict[str, dict]:
+    """Each part's newest result on or before ``day``: a bench run of one part keeps the others' figures
+    (each section says its date)."""
     parts = {}
     for part in PARTS:
-        path = RESULTS / f"{day}-{part}.json"
-        if path.exists():
-            parts[part] = json.loads(path.read_text())
+        found = [p for p in _part_files(part) if p.name[:10] <= day]
+        if found:
+            parts[part] = json.loads(found[-1].read_text())
+            parts[part].setdefault("date", found[-1].name[:10])
     return parts
 
 
@@ -336,25 +343,59 @@ What bounds the ratios here:
 """
 
 
+def _streamed_row(p: dict) -> str:
+    first = "-" if p.get("first_output_s") is None else f"{p['first_output_s']:.1f}"
+    return (
+        f"| {p['rows']:,} | {p['rows_per_s']:.0f} | {p['seconds']:.0f} | {first} | {p['object_store_peak_mb']:.0f} "
+        f"| {p['spilled_mb']:.0f} | {p['driver_peak_mb']:.0f} | {p['worker_peak_mb']:.0f} |"
+    )
+
+
 def scale_section(s: dict | None) -> str:
     if s is None:
         return "## Scale\n\n" + _missing("scale")
-    rows = "\n".join(
-        f"| {p['rows']:,} | {p['rows_per_s']:.0f} | {p['seconds']:.0f} | {p['driver_peak_mb']:.0f} | {p['worker_peak_mb']:.0f} |"
-        for p in s["scale"]
-    )
-    return f"""## Scale (HTTP path, fast local endpoint)
+    points = s["scale"]
+    streamed = all("object_store_peak_mb" in p for p in points)
+    if streamed:
+        head = (
+            "| rows | rows/s | seconds | first output file (s after job start) | object store peak MB | spilled MB "
+            "| driver peak MB | Airflow worker peak MB |\n|---|---|---|---|---|---|---|---|"
+        )
+        rows = "\n".join(_streamed_row(p) for p in points)
+    else:
+        head = "| rows | rows/s | seconds | driver peak MB | Airflow worker peak MB |\n|---|---|---|---|---|"
+        rows = "\n".join(
+            f"| {p['rows']:,} | {p['rows_per_s']:.0f} | {p['seconds']:.0f} | {p['driver_peak_mb']:.0f} | {p['worker_peak_mb']:.0f} |"
+            for p in points
+        )
+    checks = s.get("checks") or {}
+    verdicts = ""
+    if checks:
+        verdicts = (
+            "\nAgainst the targets (smallest against largest size):\n\n"
+            f"- spilled to disk: **{checks['spilled_mb_max']:.0f} MB** at most (target 0)\n"
+            f"- object store peak, largest / smallest: **{checks['object_store_peak_ratio']:.2f}x** (target <= 1.25x)\n"
+            f"- Ray driver peak, largest / smallest: **{checks['driver_peak_ratio']:.2f}x** (target <= 1.25x)\n"
+            f"- first output file at **{checks['first_output_share_at_largest']:.1%}** of the largest job's time "
+            "(target <= 10 %)\n"
+        )
+        if "marginal_rate_change" in checks:
+            verdicts += (
+                f"- marginal rate of the last step against the first: **{checks['marginal_rate_change']:+.1%}** "
+                "(target within 10 %)\n"
+            )
+    spread = [p["rows_per_s"] for p in points]
+    return f"""## Scale (HTTP path, fast local endpoint; `make bench` of {s.get("date", "?")})
 
 {s["description"]}
 
 ![scale](img/scale.png)
 
-| rows | rows/s | seconds | driver peak MB | Airflow worker peak MB |
-|---|---|---|---|---|
+{head}
 {rows}
 
-Throughput spread across sizes: {s["rows_per_s_spread"]:.0%} of the median (target: flat within 20 %).
-{_scale_fit(s["scale"])}{s.get("notes", "")}
+Throughput, slowest size against fastest: {min(spread) / max(spread):.0%}.
+{verdicts}{_scale_fit(points)}{s.get("notes", "")}
 """
 
 
@@ -388,8 +429,10 @@ a {xs[-1] / xs[0]:,.0f}x range of rows: Ray driver {min(drv):.0f}-{max(drv):.0f}
 
 
 def gpu_measured() -> str:
-    """The newest run on a lent GPU (benchmarks/gpu/report.py wrote it), as that script words it."""
-    runs = sorted(RESULTS.glob("20??-??-??-gpu.json"))
+    """Every run on a lent GPU (benchmarks/gpu/report.py wrote each ``<date>-gpu*.json``), as that script words
+    it, each followed by its hand-written notes (``<same name>.md``) when there are any."""
+    # by date, then a date's first hold (``-gpu``) before its later ones (``-gpu-<hold>``)
+    runs = sorted(RESULTS.glob("20??-??-??-gpu*.json"), key=lambda p: (p.name[:10], p.stem != f"{p.name[:10]}-gpu"))
     if not runs:
         return ""
     import importlib.util
@@ -398,17 +441,26 @@ def gpu_measured() -> str:
     spec = importlib.util.spec_from_file_location("gpu_report", REPO / "benchmarks" / "gpu" / "report.py")
     gpu_report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_report)
-    summary = json.loads(runs[-1].read_text())
-    text = gpu_report.markdown(summary)
-    if "***" in text:
-        text += (
-            "\n\n`***` above is what that run's manifest showed: its redaction then took `max_num_batched_tokens` "
-            "for a secret (fixed since; the value was 16,384, as the job log's engine line says)."
+    sections = []
+    for run in runs:
+        text = gpu_report.markdown(json.loads(run.read_text()))
+        hold = run.stem.split("-gpu", 1)[1].lstrip("-")
+        if hold:  # a later machine hold of the same date: say which
+            first, _, rest = text.partition("\n")
+            text = f"{first.rstrip(')')}, {hold})\n{rest}"
+        if "***" in text:
+            text += (
+                "\n\n`***` above is what that run's manifest showed: its redaction then took `max_num_batched_tokens` "
+                "for a secret (fixed since; the value was 16,384, as the job log's engine line says)."
+            )
+        notes = run.with_suffix(".md")
+        if notes.exists():
+            text += "\n\n" + notes.read_text().strip()
+        sections.append(
+            f"\n{text}\n\nRaw: `{run.relative_to(REPO)}` and its folder of logs; "
+            "the calls that made it: `benchmarks/gpu/plan.md`.\n"
         )
-    return (
-        f"\n{text}\n\nRaw: `{runs[-1].relative_to(REPO)}` and its folder of logs; "
-        "the calls that made it: `benchmarks/gpu/plan.md`.\n"
-    )
+    return "".join(sections)
 
 
 def gpu_section() -> str:
@@ -489,10 +541,10 @@ def main() -> int:
     versions = merged["versions"]
     text = f"""# Performance
 
-Figures from `make bench` on {day} (2 CPUs, no GPU; Ray {versions.get("ray", "?")}, vLLM
-{versions.get("vllm", "?")}). Timings on this machine are noisy: every comparison runs in interleaved rounds
-and reports the median and the spread. Raw numbers: `{out.relative_to(REPO)}` (merged) and the
-`{day}-*.json` files beside it.
+Figures from `make bench` (2 CPUs, no GPU; Ray {versions.get("ray", "?")}, vLLM {versions.get("vllm", "?")}),
+each part from its newest run: {", ".join(f"{p} {parts[p]['date']}" for p in PARTS if p in parts)}. Timings on
+this machine are noisy: every comparison runs in interleaved rounds and reports the median and the spread. Raw
+numbers: `{out.relative_to(REPO)}` (merged) and the `<date>-<part>.json` files beside it.
 
 {engine_section(engine)}
 {http_section(http)}
