@@ -432,7 +432,9 @@ def gpu_measured() -> str:
     """Every run on a lent GPU (benchmarks/gpu/report.py wrote each ``<date>-gpu*.json``), as that script words
     it, each followed by its hand-written notes (``<same name>.md``) when there are any."""
     # by date, then a date's first hold (``-gpu``) before its later ones (``-gpu-<hold>``)
-    runs = sorted(RESULTS.glob("20??-??-??-gpu*.json"), key=lambda p: (p.name[:10], p.stem != f"{p.name[:10]}-gpu"))
+    runs = sorted(
+        RESULTS.glob("20??-??-??-gpu*.json"), key=lambda p: (p.name[:10], p.stem != f"{p.name[:10]}-gpu", p.name)
+    )
     if not runs:
         return ""
     import importlib.util
