@@ -193,6 +193,15 @@ def test_an_endless_file_is_an_error_not_an_out_of_memory():
         image_url("/dev/zero", max_bytes=65536)
 
 
+@pytest.mark.parametrize(
+    "cell, message",
+    [
+        (b"\x89PNG not an image", "not a readable image"),
+        (None, "empty"),
+        (42, "holds int"),
+        ("/no/such/picture.png", "cannot be read"),
+    ],
+)
 def test_a_bad_image_cell_is_refused_with_its_reason(cell, message):
     from airflow_provider_rayllm.job.requests import image_url
 
