@@ -390,7 +390,8 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
     first = _http_op("retry", input_uri, str(output_uri)).execute({"ti": ti2})
     base_id = first["submission_id"].rsplit("-g", 1)[0]
     assert first["submission_id"].endswith("-g0")
-    assert [j["submission_id"] for j in jobs_with_prefix(hook, base_id)] == [first["submission_id"]]
+    crashed_then_retried = [j["submission_id"] for j in jobs_with_prefix(hook, base_id)]
+    assert crashed_then_retried == [first["submission_id"]]
 
     # A different run of the same task: the endpoint fails every row, so try 1's job fails after writing
     # its error rows into its generation folder; try 2 (endpoint healthy again) is a new generation.
@@ -399,7 +400,7 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
         f"{echo}/fail", data=json.dumps({"status": 400}).encode(), headers={"Content-Type": "application/json"}
     )
     urllib.request.urlopen(post, timeout=10).read()
-    with pytest.raises(RayJobFailed, match="error"):
+    with pytest.raises(RayJobFailed, match=r"above max_error_fraction=0(\.0)?; nothing was published"):
         _http_op("retry", input_uri, str(output_uri / "second"), **failing).execute(
             {"ti": StandInTI("reliability", "manual__retry2", "retry")}
         )
@@ -421,7 +422,7 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
     assert sorted(ids) == list(range(n))
     record_figure(
         "retry_and_reattach",
-        jobs_for_crashed_then_retried_try=1,
+        jobs_for_crashed_then_retried_try=len(crashed_then_retried),
         failed_generation_partial_folders=partial,
         published_generation=retried["submission_id"],
         rows_lost=n - len(set(ids)),
@@ -505,24 +506,32 @@ def test_a_bad_ray_token_fails_fast_without_a_retry_loop(token, ray_conn, test_h
 
 def test_shell_metacharacters_in_templates_and_data_execute_nothing(ray_conn, echo, test_home):
     marks = [test_home / f"injected-{i}" for i in range(3)]
-    rows = [{"id": 0, "prompt": f"$(touch {marks[2]})"}]
+    # Where each payload goes: two in the template, one in the data, one in the system prompt, one in the run id.
+    payloads = {
+        "template $()": f"$(touch {marks[0]})",
+        "template backticks": f"`touch {marks[1]}`",
+        "data": f"$(touch {marks[2]})",
+        "system prompt": "$(id)",
+        "run id": "; rm -rf /",
+    }
+    rows = [{"id": 0, "prompt": payloads["data"]}]
     input_uri = write_jsonl(test_home / "inputs" / "inject.jsonl", rows)
-    template = "{prompt} $(touch " + str(marks[0]) + "); `touch " + str(marks[1]) + "`; echo 'x' \"y\" | cat"
+    template = f"{{prompt}} {payloads['template $()']}; {payloads['template backticks']}; echo 'x' \"y\" | cat"
     op = _http_op(
         "inject",
         input_uri,
         str(test_home / "out" / "inject"),
         prompt_column=None,
         prompt_template=template,
-        system_prompt="$(id)",
+        system_prompt=payloads["system prompt"],
     )
-    manifest = op.execute({"ti": StandInTI("reliability", "manual__inject; rm -rf /", "inject")})
+    manifest = op.execute({"ti": StandInTI("reliability", f"manual__inject{payloads['run id']}", "inject")})
     sent = list(_stats(echo)["requests"])
     expected = template.replace("{prompt}", rows[0]["prompt"])
     assert expected in sent, "the endpoint must receive the text as written"
     assert not any(m.exists() for m in marks), "a shell ran something from a template, the data or the run id"
     assert manifest["rows_out"] == 1
-    record_figure("injection", shell_payloads_tried=4, executed=sum(m.exists() for m in marks))
+    record_figure("injection", shell_payloads_tried=len(payloads), executed=sum(m.exists() for m in marks))
 
 
 def _engine_cores() -> list[psutil.Process]:
