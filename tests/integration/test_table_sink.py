@@ -6,6 +6,7 @@ wrote them.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 
 import pyarrow as pa
@@ -109,3 +110,41 @@ def test_a_hostile_column_name_is_a_column_and_runs_no_sql(database, tmp_path):
 def test_table_name_is_checked(tmp_path):
     with pytest.raises(JobError, match="not a plain table name"):
         table_sink.write(rows(tmp_path, [1]), "sqlite", "t; DROP TABLE x", "k", "g")
+
+
+def test_nested_datetime_and_binary_columns_are_written_as_the_dialect_holds_them(database, tmp_path):
+    from datetime import datetime
+
+    dialect, table = database
+    when = datetime(2026, 12, 2, 9, 30, 15, 123456)
+    files = rows_file(
+        tmp_path,
+        pa.table(
+            {
+                "id": [1],
+                "meta": pa.array([{"source": "crm", "tags": ["a", "b"]}]),
+                "asked_at": pa.array([when], pa.timestamp("us")),
+                "raw": pa.array([b"\x00\xffbytes"], pa.binary()),
+            }
+        ),
+    )
+    assert table_sink.write(files, dialect, table, "dag/run-1/t/-1", "gen-a") == 1
+    conn = connect(dialect, SINK_SQL_URI_ENV)
+    cur = conn.cursor()
+    cur.execute(f"SELECT meta, asked_at, raw FROM {table}")
+    meta, asked_at, raw = cur.fetchone()
+    conn.close()
+    assert json.loads(meta) == {"source": "crm", "tags": ["a", "b"]}, "a struct is JSON text"
+    assert str(asked_at).replace("T", " ").startswith("2026-12-02 09:30:15"), asked_at
+    assert bytes(raw) == b"\x00\xffbytes"
+
+
+def test_a_schema_that_changed_between_two_dates_is_refused_naming_the_columns(database, tmp_path):
+    """Two backfill dates into one table: the second date's output has a column the table lacks. Its write
+    fails naming the column, and the first date's rows stay."""
+    dialect, table = database
+    assert table_sink.write(rows(tmp_path, [1, 2]), dialect, table, "dag/2026-05-01/t/-1", "gen-a") == 2
+    changed = rows_file(tmp_path, pa.table({"id": [3], "response": ["x"], "embedding": [[1.0]], "score": [0.5]}))
+    with pytest.raises(JobError, match=r"has no column\(s\) \['score'\].*nothing was written"):
+        table_sink.write(changed, dialect, table, "dag/2026-05-02/t/-1", "gen-b")
+    assert count(dialect, table) == 2 and count(dialect, table, "dag/2026-05-01/t/-1") == 2
