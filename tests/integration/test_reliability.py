@@ -7,6 +7,7 @@ Each test keeps its figures in build/reliability-figures.json; docs/RELIABILITY.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -344,7 +345,7 @@ def test_stopping_the_task_stops_the_job_and_frees_the_cluster(how, ray_conn, ec
 
     stopped_at = time.time()
     if how == "killed while deferred":
-        asyncio.run(trigger.on_kill())
+        asyncio.run(_kill_as_the_triggerer_does(trigger))
     elif how == "execution_timeout while deferred":
         with pytest.raises(TaskDeferralTimeout):
             op.resume_execution("__fail__", {"error": TriggerFailureReason.TRIGGER_TIMEOUT}, {"ti": ti})
@@ -367,6 +368,25 @@ def test_stopping_the_task_stops_the_job_and_frees_the_cluster(how, ray_conn, ec
         seconds_until_cpus_free=round(seconds_to_free, 1),
         cpus_in_use_after=cpus_in_use(ray_conn["info"])[0],
     )
+
+
+async def _kill_as_the_triggerer_does(trigger) -> None:
+    """A user marks the deferred task failed: Airflow's triggerer cancels the running trigger with its
+    user-action message, and its own run_trigger() then calls the trigger's on_kill()."""
+    from airflow.jobs import triggerer_job_runner as triggerer
+
+    os.environ["AIRFLOW_DISABLE_GREENBACK_PORTAL"] = "true"
+    trigger.task_instance = None
+    runner = triggerer.TriggerRunner()
+    task = asyncio.create_task(runner.run_trigger(1, trigger))
+    runner.triggers[1] = {"task": task, "is_watcher": False, "name": "ray_job", "events": 0}
+    await asyncio.sleep(1.5)  # the trigger is polling the job
+    assert not task.done(), "the trigger should still be waiting for the job"
+    task.cancel(triggerer._USER_ACTION_CANCEL_MSG)
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
 
 
 def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generation(ray_conn, echo, test_home):
