@@ -412,6 +412,8 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
     assert first["submission_id"].endswith("-g0")
     crashed_then_retried = [j["submission_id"] for j in jobs_with_prefix(hook, base_id)]
     assert crashed_then_retried == [first["submission_id"]]
+    reattached_ids = [r["id"] for r in read_rows(first["output_files"])]
+    assert sorted(reattached_ids) == list(range(n)), "the re-attached job's output is whole, each row once"
 
     # A different run of the same task: the endpoint fails every row, so try 1's job fails after writing
     # its error rows into its generation folder; try 2 (endpoint healthy again) is a new generation.
@@ -443,6 +445,8 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
     record_figure(
         "retry_and_reattach",
         jobs_for_crashed_then_retried_try=len(crashed_then_retried),
+        reattached_rows_lost=n - len(set(reattached_ids)),
+        reattached_duplicate_rows=len(reattached_ids) - len(set(reattached_ids)),
         failed_generation_partial_folders=partial,
         published_generation=retried["submission_id"],
         rows_lost=n - len(set(ids)),
