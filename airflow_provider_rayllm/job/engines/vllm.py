@@ -610,6 +610,7 @@ def build(
 ) -> Any:
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
+    detokenize = _stage(spec.detokenize_stage if spec.task_type == "generate" else False, profile)
     config = vLLMEngineProcessorConfig(
         model_source=spec.model_source,
         task_type=spec.task_type,
@@ -624,7 +625,7 @@ def build(
         placement_group_config=placement,
         chat_template_stage=_stage(spec.chat_template_stage if spec.task_type == "generate" else False, profile),
         tokenize_stage=_stage(spec.tokenize_stage, profile),
-        detokenize_stage=_stage(spec.detokenize_stage if spec.task_type == "generate" else False, profile),
+        detokenize_stage=detokenize,
         prepare_multimodal_stage=_stage(spec.prepare_multimodal_stage, profile),
         # Local adapters are addressed by their folder; Ray downloads bucket adapters by name.
         dynamic_lora_loading_path=(
@@ -636,7 +637,6 @@ def build(
         should_continue_on_error=True,
     )
     builder_kwargs = {"chat_template_kwargs": spec.chat_template_kwargs} if spec.chat_template_kwargs else None
-    detokenize = spec.detokenize_stage if spec.task_type == "generate" else False
     detokenize_on = bool(detokenize.get("enabled", True)) if isinstance(detokenize, dict) else bool(detokenize)
     return build_processor(
         config,
@@ -717,6 +717,7 @@ class VLLMEngine(Engine):
         super().__init__(spec, package_dir)
         assert spec.processor is not None
         self.p = spec.processor
+        self.labels: list[str] | None = None  # a classify model's class names, read by check()
 
     def check(self) -> None:
         p = self.p
@@ -782,7 +783,7 @@ class VLLMEngine(Engine):
         return build(self.p, self.profile, self.engine_kwargs, self.placement, self.feed)(ds)
 
     def shaper(self) -> Shaper:
-        return VLLMShaper(self.spec, self.package_dir, getattr(self, "labels", None))
+        return VLLMShaper(self.spec, self.package_dir, self.labels)
 
     def tokens_out(self) -> Callable[[Any], int]:
         return column_sum("num_generated_tokens")
