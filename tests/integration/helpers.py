@@ -89,6 +89,11 @@ def jobs_with_prefix(hook: Any, prefix: str) -> list[dict[str, Any]]:
     ]
 
 
+def jobs_of_run(hook: Any, run_id: str) -> list[Any]:
+    """The Ray jobs submitted for one Airflow run (the operator tags each with its run id)."""
+    return [j for j in hook.client.list_jobs() if (j.metadata or {}).get("airflow_run_id") == run_id]
+
+
 class StandInTI:
     """The parts of a task instance the operator uses, for driving execute() from a thread."""
 

@@ -12,11 +12,23 @@ from tests.integration.helpers import check_demo_embeddings, load_dag, read_rows
 pytestmark = pytest.mark.integration
 
 
-def _run(name: str, task_id: str, conf: dict, day: int):
-    dag = load_dag("dags_examples", name, name)
-    dag_run = dag.test(logical_date=utc(2026, 8, day), run_after=utc(2026, 8, day), run_conf=conf)
+def _run(name: str, task_id: str, conf: dict, day: int, folder: str = "dags_examples", file: str | None = None):
+    """The DAG ``name`` (from its own file in dags_examples, or ``file`` in ``folder``) run once; the task's manifest."""
+    dag = load_dag(folder, file or name, name)
+    month = 8 if folder == "dags_examples" else 11  # a date of its own per DAG file, so runs never collide
+    dag_run = dag.test(logical_date=utc(2026, month, day), run_after=utc(2026, month, day), run_conf=conf)
     assert task_state(dag_run, task_id) == "success"
     return xcom(dag.dag_id, dag_run.run_id, task_id, "return_value")
+
+
+def _png(color) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), color).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def test_the_guides_embeddings_stream_2048_rows_with_no_engine_kwargs(ray_conn, airflow_db):
@@ -108,27 +120,19 @@ def test_multi_lora_rows_routed_to_the_adapter_differ_from_base_rows(ray_conn, a
 def test_vision_rows_answer_from_their_own_image_and_a_broken_image_is_an_error_row(ray_conn, airflow_db, test_home):
     """The guide's VLM section through example_vision: images as data: URLs and as files the cluster reads."""
     import base64
-    import io
-
-    from PIL import Image
 
     from airflow_provider_rayllm.local.models import tiny_vlm_path
     from tests.integration.helpers import write_jsonl
-
-    def png(color) -> bytes:
-        buf = io.BytesIO()
-        Image.new("RGB", (64, 64), color).save(buf, format="PNG")
-        return buf.getvalue()
 
     folder = test_home / "inputs" / "vision"
     folder.mkdir(parents=True, exist_ok=True)
     colors = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 200, 60)}
     for name, color in colors.items():
-        (folder / f"{name}.png").write_bytes(png(color))
+        (folder / f"{name}.png").write_bytes(_png(color))
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a picture")
 
     def url(name):
-        return "data:image/png;base64," + base64.b64encode(png(colors[name])).decode()
+        return "data:image/png;base64," + base64.b64encode(_png(colors[name])).decode()
 
     # Nine good rows and one broken file: at the default max_error_fraction of 0.1.
     images = [
@@ -182,10 +186,7 @@ def test_the_memory_faq_levers_reach_the_engine(quickstart_run):
 
 
 def _guide(dag_id: str, task_id: str, conf: dict, day: int) -> dict:
-    dag = load_dag("tests/dags", "guide_blocks", dag_id)
-    dag_run = dag.test(logical_date=utc(2026, 11, day), run_after=utc(2026, 11, day), run_conf=conf)
-    assert task_state(dag_run, task_id) == "success"
-    return xcom(dag.dag_id, dag_run.run_id, task_id, "return_value")
+    return _run(dag_id, task_id, conf, day, folder="tests/dags", file="guide_blocks")
 
 
 def test_the_guides_quickstart_block_as_written(ray_conn, airflow_db, smollm2):
@@ -214,19 +215,12 @@ def test_the_guides_quickstart_block_on_a_gpu(ray_conn, airflow_db):
 def _lmms_eval_rows(folder) -> str:
     """Rows shaped like LMMs-Eval-Lite's (the guide's dataset): an image struct with its bytes, a question and
     a list of answer choices; the last image is broken."""
-    import io
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from PIL import Image
-
-    def png(color) -> bytes:
-        buf = io.BytesIO()
-        Image.new("RGB", (64, 64), color).save(buf, format="PNG")
-        return buf.getvalue()
 
     colors = [(220, 30, 30), (30, 60, 220), (30, 200, 60)] * 3
-    images = [{"bytes": png(c), "path": f"{i}.png"} for i, c in enumerate(colors)]
+    images = [{"bytes": _png(c), "path": f"{i}.png"} for i, c in enumerate(colors)]
     images.append({"bytes": b"\x89PNG\r\n\x1a\n not really a picture", "path": "broken.png"})
     table = pa.table(
         {

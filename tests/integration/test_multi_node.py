@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from tests.integration.helpers import check_demo_embeddings, load_dag, read_rows, task_state, utc, xcom
+from tests.integration.helpers import check_demo_embeddings, jobs_of_run, load_dag, read_rows, task_state, utc, xcom
 
 pytestmark = pytest.mark.integration
 
@@ -81,8 +81,9 @@ def test_a_pipeline_parallel_engine_runs_on_the_node_its_placement_asks_for(mult
     missing = {"model_source": str(smollm2), "concurrency": 1, "accelerator_type": "A100"}
     dag_run = dag.test(logical_date=utc(2026, 10, 2), run_after=utc(2026, 10, 2), run_conf=missing)
     assert task_state(dag_run, "answer") == "failed"
-    (job,) = [j for j in RayJobHook().client.list_jobs() if (j.metadata or {}).get("airflow_run_id") == dag_run.run_id]
-    refusal = RayJobHook().get_job_logs(job.submission_id)
+    hook = RayJobHook()
+    (job,) = jobs_of_run(hook, dag_run.run_id)
+    refusal = hook.get_job_logs(job.submission_id)
     assert "vLLMEngineStageUDF" not in refusal, "no engine starts for a type the cluster lacks"
     assert "accelerator_type='A100': no node of the Ray cluster offers 'accelerator_type:A100'" in refusal
     assert f"the cluster's accelerator types: {ACCELERATOR}" in refusal

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.integration.helpers import load_dag, read_rows, task_state, utc, xcom
+from tests.integration.helpers import jobs_of_run, load_dag, read_rows, task_state, utc, xcom
 
 pytestmark = pytest.mark.integration
 
@@ -103,7 +103,7 @@ def test_an_unknown_deployment_is_named_before_any_row_is_sent(serve_app, airflo
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
 
     hook = RayJobHook()
-    jobs = [j for j in hook.client.list_jobs() if (j.metadata or {}).get("airflow_run_id") == dag_run.run_id]
+    jobs = jobs_of_run(hook, dag_run.run_id)
     assert len(jobs) == 1
     errors = [
         line for line in hook.get_job_logs(jobs[0].submission_id).splitlines() if line.startswith("RAYLLM_ERROR ")

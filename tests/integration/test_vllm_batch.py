@@ -16,6 +16,7 @@ import pytest
 from tests.integration.helpers import (
     StandInTI,
     delete_runs,
+    jobs_of_run,
     jobs_with_prefix,
     load_dag,
     read_rows,
@@ -175,7 +176,7 @@ def test_example_dag_runs_the_guides_quickstart(quickstart_run, ray_conn):
 def _failed_job(hook, dag, conf, date):
     dag_run = dag.test(logical_date=date, run_conf=conf)
     assert task_state(dag_run, "generate") == "failed"
-    jobs = [j for j in hook.client.list_jobs() if (j.metadata or {}).get("airflow_run_id") == dag_run.run_id]
+    jobs = jobs_of_run(hook, dag_run.run_id)
     assert len(jobs) == 1, "a bad configuration is submitted once and not retried into new jobs"
     job = jobs[0]
     assert str(job.status) in ("FAILED", "JobStatus.FAILED")

@@ -15,7 +15,7 @@ import sqlite3
 import pyarrow.parquet as pq
 import pytest
 
-from tests.integration.helpers import load_dag, task_state, utc, xcom
+from tests.integration.helpers import jobs_of_run, load_dag, task_state, utc, xcom
 
 pytestmark = pytest.mark.integration
 
@@ -111,7 +111,7 @@ def test_backfilled_dates_have_disjoint_complete_outputs(backfill, warehouse):
 
 
 def _sql_job_error(hook, dag_run):
-    jobs = [j for j in hook.client.list_jobs() if (j.metadata or {}).get("airflow_run_id") == dag_run.run_id]
+    jobs = jobs_of_run(hook, dag_run.run_id)
     assert len(jobs) == 1
     logs = hook.get_job_logs(jobs[0].submission_id)
     assert "vLLMEngineStageUDF" not in logs, "no engine may start for a bad query"
