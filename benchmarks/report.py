@@ -343,31 +343,35 @@ What bounds the ratios here:
 """
 
 
-def _streamed_row(p: dict) -> str:
-    first = "-" if p.get("first_output_s") is None else f"{p['first_output_s']:.1f}"
-    return (
-        f"| {p['rows']:,} | {p['rows_per_s']:.0f} | {p['seconds']:.0f} | {first} | {p['object_store_peak_mb']:.0f} "
-        f"| {p['spilled_mb']:.0f} | {p['driver_peak_mb']:.0f} | {p['worker_peak_mb']:.0f} |"
-    )
+# (header, cell) per column of the scale table; the streamed columns only where a run measured them.
+_SCALE_COLUMNS = [
+    ("rows", lambda p: f"{p['rows']:,}", False),
+    ("rows/s", lambda p: f"{p['rows_per_s']:.0f}", False),
+    ("seconds", lambda p: f"{p['seconds']:.0f}", False),
+    (
+        "first output file (s after job start)",
+        lambda p: "-" if p.get("first_output_s") is None else f"{p['first_output_s']:.1f}",
+        True,
+    ),
+    ("object store peak MB", lambda p: f"{p['object_store_peak_mb']:.0f}", True),
+    ("spilled MB", lambda p: f"{p['spilled_mb']:.0f}", True),
+    ("driver peak MB", lambda p: f"{p['driver_peak_mb']:.0f}", False),
+    ("Airflow worker peak MB", lambda p: f"{p['worker_peak_mb']:.0f}", False),
+]
+
+
+def _scale_table(points: list[dict]) -> str:
+    streamed = all("object_store_peak_mb" in p for p in points)
+    columns = [(head, cell) for head, cell, needs_stream in _SCALE_COLUMNS if streamed or not needs_stream]
+    lines = ["| " + " | ".join(head for head, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(p) for _, cell in columns) + " |" for p in points]
+    return "\n".join(lines)
 
 
 def scale_section(s: dict | None) -> str:
     if s is None:
         return "## Scale\n\n" + _missing("scale")
     points = s["scale"]
-    streamed = all("object_store_peak_mb" in p for p in points)
-    if streamed:
-        head = (
-            "| rows | rows/s | seconds | first output file (s after job start) | object store peak MB | spilled MB "
-            "| driver peak MB | Airflow worker peak MB |\n|---|---|---|---|---|---|---|---|"
-        )
-        rows = "\n".join(_streamed_row(p) for p in points)
-    else:
-        head = "| rows | rows/s | seconds | driver peak MB | Airflow worker peak MB |\n|---|---|---|---|---|"
-        rows = "\n".join(
-            f"| {p['rows']:,} | {p['rows_per_s']:.0f} | {p['seconds']:.0f} | {p['driver_peak_mb']:.0f} | {p['worker_peak_mb']:.0f} |"
-            for p in points
-        )
     checks = s.get("checks") or {}
     verdicts = ""
     if checks:
@@ -391,8 +395,7 @@ def scale_section(s: dict | None) -> str:
 
 ![scale](img/scale.png)
 
-{head}
-{rows}
+{_scale_table(points)}
 
 Throughput, slowest size against fastest: {min(spread) / max(spread):.0%}.
 {verdicts}{_scale_fit(points)}{s.get("notes", "")}
