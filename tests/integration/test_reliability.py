@@ -145,11 +145,10 @@ def test_a_restarted_head_is_job_lost_and_the_retry_runs_a_new_job(restartable_c
     # worker that died after the job ended) returns the published manifest from storage, with no new job.
     restartable_cluster.restart()
     again_ti = StandInTI("reliability", "manual__lost", "lost", try_number=2)
-    again = _http_op("lost", input_uri, output_uri, ray_conn_id="ray_restart").execute({"ti": again_ti})
+    again_op = _http_op("lost", input_uri, output_uri, ray_conn_id="ray_restart")
+    again = again_op.execute({"ti": again_ti})
     assert again["submission_id"] == manifest["submission_id"]
-    jobs_after_second_restart = len(
-        _http_op("x", input_uri, output_uri, ray_conn_id="ray_restart").hook.client.list_jobs()
-    )
+    jobs_after_second_restart = len(again_op.hook.client.list_jobs())
     assert jobs_after_second_restart == 0, "no job was submitted to return what storage already holds"
 
     # A rerun of the cleared run on this fresh cluster, on an input whose rows all fail: its job starts (Ray's
@@ -187,6 +186,7 @@ def test_a_crash_between_the_table_and_the_manifest_is_repaired_by_the_retry(ray
 
     from airflow_provider_rayllm.exceptions import RayJobFailed
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+    from airflow_provider_rayllm.job.driver import FAILPOINT_ENV
 
     n = 24
     db = test_home / "table-crash.sqlite"
@@ -206,7 +206,7 @@ def test_a_crash_between_the_table_and_the_manifest_is_repaired_by_the_retry(ray
 
     ti = StandInTI("reliability", "manual__table_crash", "table_crash")
     with pytest.raises(RayJobFailed):
-        op(job_runtime_env={"env_vars": {"RAYLLM_FAILPOINT": "after_table_commit"}}).execute({"ti": ti})
+        op(job_runtime_env={"env_vars": {FAILPOINT_ENV: "after_table_commit"}}).execute({"ti": ti})
     assert "failpoint after_table_commit" in RayJobHook().get_job_logs(ti.xcom["submission_id"])
     assert not (output_uri / "manifest.json").exists()
     crashed = table_rows()
