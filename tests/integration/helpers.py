@@ -89,6 +89,15 @@ def jobs_with_prefix(hook: Any, prefix: str) -> list[dict[str, Any]]:
     ]
 
 
+def ray_driver_env(ray_conn: dict[str, Any], test_home: Path) -> dict[str, str]:
+    """The environment for a process of ours that connects to the session's Ray cluster as a driver."""
+    from airflow_provider_rayllm.local.cluster import LocalRayCluster
+
+    env = LocalRayCluster(state_dir=test_home / "ray").env()
+    env["RAY_ADDRESS"] = ray_conn["info"].gcs_address
+    return env
+
+
 def jobs_of_run(hook: Any, run_id: str) -> list[Any]:
     """The Ray jobs submitted for one Airflow run (the operator tags each with its run id)."""
     return [j for j in hook.client.list_jobs() if (j.metadata or {}).get("airflow_run_id") == run_id]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.integration.helpers import jobs_of_run, load_dag, read_rows, task_state, utc, xcom
+from tests.integration.helpers import jobs_of_run, load_dag, ray_driver_env, read_rows, task_state, utc, xcom
 
 pytestmark = pytest.mark.integration
 
@@ -21,10 +21,7 @@ CONF = {"model": MODEL, "serve_app": APP, "serve_deployment": DEPLOYMENT}
 
 
 def _serve_app(ray_conn, test_home, *args: str) -> subprocess.CompletedProcess:
-    from airflow_provider_rayllm.local.cluster import LocalRayCluster
-
-    env = LocalRayCluster(state_dir=test_home / "ray").env()
-    env["RAY_ADDRESS"] = ray_conn["info"].gcs_address
+    env = ray_driver_env(ray_conn, test_home)
     return subprocess.run(
         [sys.executable, "-m", "airflow_provider_rayllm.local.serve_app", *args],
         env=env,

@@ -19,6 +19,7 @@ from tests.integration.helpers import (
     jobs_of_run,
     jobs_with_prefix,
     load_dag,
+    ray_driver_env,
     read_rows,
     task_state,
     utc,
@@ -245,7 +246,6 @@ def test_the_drivers_preflight_refuses_each_bad_engine_setting(ray_conn, smollm2
     import sys
 
     from airflow_provider_rayllm.contract import SPEC_FILE
-    from airflow_provider_rayllm.local.cluster import LocalRayCluster
     from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
 
     input_uri = write_jsonl(test_home / "inputs" / "small.jsonl", [{"id": 1, "prompt": "hi"}])
@@ -268,8 +268,7 @@ def test_the_drivers_preflight_refuses_each_bad_engine_setting(ray_conn, smollm2
         (folder / SPEC_FILE).write_text(spec.to_json())
         folders.append(str(folder))
 
-    env = LocalRayCluster(state_dir=test_home / "ray").env()
-    env["RAY_ADDRESS"] = ray_conn["info"].gcs_address
+    env = ray_driver_env(ray_conn, test_home)
     script = Path(__file__).with_name("preflight.py")
     done = subprocess.run([sys.executable, str(script), *folders], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
