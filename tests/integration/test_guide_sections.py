@@ -102,19 +102,10 @@ def test_multi_lora_rows_routed_to_the_adapter_differ_from_base_rows(ray_conn, a
         assert out[i] != out[10 + i], "the adapter must change what the model says"
     (error,) = read_rows(manifest["error_files"])
     assert error["id"] == 99 and "not one of lora_adapters" in error["error"]
-    # Base rows keep the base model's answer: the same prompts with no adapter row beside them (a job of
-    # base rows only, same engine settings) start with the same words. (Greedy decoding on the CPU engine
-    # is not batch-invariant: measured here, an answer may drift from the 21st character on, run to run.)
-    alone = write_jsonl(test_home / "inputs" / "lora-base-only.jsonl", [r for r in rows if r["adapter"] == ""])
-    base_only = _run("example_multi_lora", "generate", {**conf, "input_uri": alone}, 4)
-    reference = {r["id"]: r["response"] for r in read_rows(base_only["output_files"])}
-
-    def shared(a: str, b: str) -> int:
-        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-    for i in range(5):
-        assert shared(out[i], reference[i]) >= 12, (out[i], reference[i])
-        assert shared(out[10 + i], reference[i]) < 12, "an adapter row must not give the base answer"
+    # Base rows get the base model, adapter rows the adapter, in one job: the base model knows these
+    # answers, the adapter (random weights, as local/models.py builds it) garbles them.
+    assert "Paris" in out[0] and "4" in out[4], (out[0], out[4])
+    assert "Paris" not in out[10], out[10]
 
 
 def test_vision_rows_answer_from_their_own_image_and_a_broken_image_is_an_error_row(ray_conn, airflow_db, test_home):
