@@ -114,3 +114,28 @@ def test_task_instance_keys_are_distinct_where_a_folder_name_would_not_be():
         for r in ("résumé", "rösümé", "r_s_m_")
     }
     assert len(keys) == 3
+
+
+def test_a_large_parquet_file_is_read_as_pieces_of_whole_row_groups(tmp_path):
+    """A file of many row groups becomes several read tasks (Ray Data can hold back the ones not started),
+    each of whole row groups, together every row once, in batches no larger than BATCH_ROWS."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    group = source_files.PIECE_ROWS // 4 + 1  # four groups pass PIECE_ROWS: a piece ends after the fourth
+    total = group * 10
+    big, small = tmp_path / "big.parquet", tmp_path / "small.parquet"
+    table = pa.table({"id": list(range(total)), "prompt": [f"p{i}" for i in range(total)], "extra": [0] * total})
+    pq.write_table(table, big, row_group_size=group)
+    pq.write_table(table.slice(0, 3), small)
+
+    pieces = source_files.parquet_pieces([str(big), str(small)])
+    assert [p["row_groups"] for p in pieces] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [0]]
+    assert [p["uri"] for p in pieces] == [str(big)] * 3 + [str(small)]
+
+    batch = {"uri": [p["uri"] for p in pieces], "row_groups": [p["row_groups"] for p in pieces]}
+    parts = list(source_files.read_pieces(batch, columns=["id", "prompt"]))
+    assert all(part.num_rows <= source_files.BATCH_ROWS for part in parts)
+    assert all(part.column_names == ["id", "prompt"] for part in parts)
+    ids = [i for part in parts for i in part.column("id").to_pylist()]
+    assert ids == list(range(total)) + [0, 1, 2]
