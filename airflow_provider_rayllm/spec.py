@@ -614,6 +614,13 @@ class LimitsSpec(_Strict):
     max_rows: int | None = Field(
         None, ge=1, description="Process at most this many input rows.", json_schema_extra=arg(templated=True)
     )
+    object_store_window_mb: int | None = Field(
+        None,
+        ge=1,
+        description="Object store (MiB) the job's rows in flight may fill on the cluster: Ray Data holds back its "
+        "read and request steps beyond it. Default: Ray Data's own share of the cluster's object store.",
+        json_schema_extra=arg(templated=True),
+    )
 
 
 class RunSpec(_Strict):

@@ -200,11 +200,16 @@ def check_error_fraction(errors: int, rows: int, limit: float, errors_folder: st
         )
 
 
-def _quiet_ray_data() -> None:
+def _configure_ray_data(spec: JobSpec) -> None:
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
+    window = spec.limits.object_store_window_mb
+    if window:
+        limits = ctx.execution_options.resource_limits
+        ctx.execution_options.resource_limits = limits.copy(object_store_memory=window * 2**20)
+        say("object store window: %d MiB for the rows in flight", window)
 
 
 # A crash on purpose at a named step (the job's env var RAYLLM_FAILPOINT=<step>), for the tests of what a
@@ -237,7 +242,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     import ray
 
     ray.init(log_to_driver=True)
-    _quiet_ray_data()
+    _configure_ray_data(spec)
     started = time.time()
     started_at = datetime.now(timezone.utc).isoformat()
 
