@@ -383,6 +383,14 @@ def scale_section(s: dict | None) -> str:
             f"- first output file at **{checks['first_output_share_at_largest']:.1%}** of the largest job's time "
             "(target <= 10 %)\n"
         )
+        if len(points) >= 3:
+            # Ray Data keeps a window of blocks whose size is set by its object-store budget, not by the input:
+            # once a job is large enough to fill it, the peak stays put. The two largest sizes show that.
+            a, b = points[-2], points[-1]
+            verdicts += (
+                f"- object store peak, {b['rows']:,} / {a['rows']:,} rows: "
+                f"**{b['object_store_peak_mb'] / max(a['object_store_peak_mb'], 1e-9):.2f}x**\n"
+            )
         if "marginal_rate_change" in checks:
             verdicts += (
                 f"- marginal rate of the last step against the first: **{checks['marginal_rate_change']:+.1%}** "
