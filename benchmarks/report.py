@@ -429,11 +429,17 @@ def _scale_fit(points: list[dict]) -> str:
         f"{a['rows']:,} -> {b['rows']:,} rows: {(b['rows'] - a['rows']) / (b['seconds'] - a['seconds']):.0f} rows/s"
         for a, b in zip(points, points[1:])
     )
-    return f"""
-What bounds the spread: a job costs about **{fixed:.0f} s** whatever its size (submission, driver start,
+    if fixed >= 0:
+        bound = f"""a job costs about **{fixed:.0f} s** whatever its size (submission, driver start,
 actor start, the manifest) plus **{slope * 1e6:.0f} s per million rows** (a least-squares fit of seconds
 against rows over the sizes above). The marginal rate between sizes ({steps}) is the pipeline's
-own throughput; small jobs look slower only because the fixed part weighs more in them.{flat} Peak memory across
+own throughput; small jobs look slower only because the fixed part weighs more in them."""
+    else:  # the smaller job ran at a lower rate than the larger: the fit has no fixed part to show
+        bound = f"""**{slope * 1e6:.0f} s per million rows**; the smaller job ran at a lower rate than the
+larger one, so a least-squares fit over the sizes above finds no fixed part. The marginal rate between sizes
+({steps}) is the pipeline's own throughput."""
+    return f"""
+What bounds the spread: {bound}{flat} Peak memory across
 a {xs[-1] / xs[0]:,.0f}x range of rows: Ray driver {min(drv):.0f}-{max(drv):.0f} MB, Airflow worker
 {min(wrk):.0f}-{max(wrk):.0f} MB (rows stream through Ray's object store, not through either process).
 """
