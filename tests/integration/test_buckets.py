@@ -183,6 +183,27 @@ def test_jsonl_glob_from_s3_to_jsonl_on_gcs_and_partitioned_csv_from_gcs_to_s3(r
     assert sorted(int(r["id"]) for r in rows) == [1, 2, 3]
     assert {r["response"] for r in rows} == {f"echo: csv question {i}" for i in (1, 2, 3)}
 
+    # Parquet from S3: each file a read task of its own, reading the bucket from the task's worker; the
+    # job's object-store window reaches Ray Data.
+    for part in range(2):
+        sink = io.BytesIO()
+        pq.write_table(
+            pa.table({"id": [part * 10 + i for i in range(3)], "prompt": [f"pq {part}-{i}" for i in range(3)]}), sink
+        )
+        s3.put_object(Bucket="formats", Key=f"pq/part-{part}.parquet", Body=sink.getvalue())
+    manifest = _echo_op("pq", "s3://formats/pq/", "s3://formats/pq-out", object_store_window_mb=8).execute(
+        {"ti": StandInTI("formats", "manual__pq", "pq")}
+    )
+    rows = []
+    for f in manifest["output_files"]:
+        rows += pq.read_table(
+            io.BytesIO(s3.get_object(Bucket="formats", Key=f["uri"].removeprefix("s3://formats/"))["Body"].read())
+        ).to_pylist()
+    assert sorted(r["id"] for r in rows) == [0, 1, 2, 10, 11, 12]
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    assert "object store window: 8 MiB" in RayJobHook().get_job_logs(manifest["submission_id"])
+
     # The user clears that run: its rerun writes a new generation into the bucket, publishes it, and then
     # removes the older generation's objects; the manifest names the new one.
     from tests.integration.helpers import ClearedRun
