@@ -16,7 +16,9 @@ def main() -> None:
     settings = json.loads(sys.argv[1])
     with open(sys.argv[2], encoding="utf-8") as handle:
         prompts = [json.loads(line)["prompt"] for line in handle if line.strip()]
-    llm = LLM(model=settings["model_source"], **settings["engine_kwargs"])
+    # task_type is a key of Ray's processor settings (our manifest's engine_kwargs carry it), not of vLLM's.
+    engine_kwargs = {k: v for k, v in settings["engine_kwargs"].items() if k != "task_type"}
+    llm = LLM(model=settings["model_source"], **engine_kwargs)
     params = SamplingParams(**settings["sampling_params"])
     conversations = [[{"role": "user", "content": p}] for p in prompts]
     llm.chat(conversations[:8], params, use_tqdm=False)  # warm-up
