@@ -148,6 +148,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    window = args.window_mb or None  # 0: Ray Data's own share of the store
 
     home = bench_home("scale")
 
@@ -183,7 +184,7 @@ def main() -> int:
                     concurrency=args.actors,
                     batch_size=args.batch_size,
                     max_in_flight=args.in_flight,
-                    object_store_window_mb=args.window_mb or None,
+                    object_store_window_mb=window,
                     deferrable=False,
                     poll_interval=1.0,
                 )
@@ -226,8 +227,8 @@ def main() -> int:
         "date": date.today().isoformat(),
         "description": (
             f"HttpLLMBatchOperator, {args.actors} actor(s) x {args.in_flight} requests in flight, batch_size "
-            f"{args.batch_size}, object_store_window_mb {args.window_mb or 'unset'}, against a local chat endpoint that answers at once (client and server share the "
-            f"2 cores), Ray head object store capped at {OBJECT_STORE_BYTES // 2**20} MiB; rows/s from task start to "
+            f"{args.batch_size}, object_store_window_mb {window or 'unset'}, against a local chat endpoint that answers at once "
+            f"(client and server share the 2 cores), Ray head object store capped at {OBJECT_STORE_BYTES // 2**20} MiB; rows/s from task start to "
             "manifest, engine-free, so the figures are the pipeline's own cost."
         ),
         "settings": {
@@ -235,7 +236,7 @@ def main() -> int:
             "in_flight": args.in_flight,
             "batch_size": args.batch_size,
             "object_store_mb": OBJECT_STORE_BYTES // 2**20,
-            "object_store_window_mb": args.window_mb or None,
+            "object_store_window_mb": window,
         },
         "scale": points,
         "marginal": marginal,
