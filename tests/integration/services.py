@@ -114,8 +114,12 @@ def vllm_openai_server(model_dir: Path, name: str | list[str], log_dir: Path) ->
 
     if not cpu_has_native_half():
         cmd += ["--dtype", "float32"]  # half precision would be emulated, many times slower
-    # /v1/models answers only once the engine is up (about 40 s on 2 cores).
-    with _process(cmd, f"http://127.0.0.1:{port}/v1/models", log_dir / "vllm-server.log", timeout=300):
+    from airflow_provider_rayllm.job.engines.vllm import ONE_PROCESS_ENV
+
+    # /v1/models answers only once the engine is up (about 40 s on 2 cores). Its one CPU worker runs in the
+    # engine core process, as in the jobs' engines.
+    log = log_dir / "vllm-server.log"
+    with _process(cmd, f"http://127.0.0.1:{port}/v1/models", log, timeout=300, env={ONE_PROCESS_ENV: "0"}):
         yield f"http://127.0.0.1:{port}/v1"
 
 

@@ -174,6 +174,10 @@ def test_the_memory_faq_levers_reach_the_engine(quickstart_run):
     assert abs(requested - 0.15 * total) < 0.011, (requested, total)
     tokens = re.search(r"KV cache size: ([0-9,]+) tokens", logs)
     assert tokens is not None and int(tokens[1].replace(",", "")) % 32 == 0
+    # The one CPU worker loads the model inside the engine core process: no third process imports vLLM.
+    assert "its worker runs in the engine core process" in logs
+    assert re.search(r"\(EngineCore pid=\d+\)[^\n]*Starting to load model", logs), "the model loaded elsewhere"
+    assert not re.search(r"\((Vllm)?Worker(-\d+)? pid=\d+\)", logs), "a separate vLLM worker process started"
 
 
 def _guide(dag_id: str, task_id: str, conf: dict, day: int) -> dict:

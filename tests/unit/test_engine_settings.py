@@ -187,3 +187,17 @@ def test_score_is_refused_before_an_engine_starts_when_vllm_has_no_score_task():
         pytest.skip("this vLLM still has the score task")
     with pytest.raises(JobError, match=r"task_type='score'.*vLLM .* has no score task.*task_type='classify'"):
         check_task_type("score")
+
+
+def test_a_one_worker_cpu_engine_runs_its_worker_in_the_engine_core_unless_the_user_says_otherwise():
+    one = vllm_pipeline.engine_runtime_env(spec(), "cpu", {})
+    assert one["env_vars"][vllm_pipeline.ONE_PROCESS_ENV] == "0"
+    assert vllm_pipeline.ONE_PROCESS_ENV not in (vllm_pipeline.engine_runtime_env(spec(), "gpu", {}) or {})["env_vars"]
+    several = vllm_pipeline.engine_runtime_env(spec(), "cpu", {"tensor_parallel_size": 2})
+    assert vllm_pipeline.ONE_PROCESS_ENV not in several["env_vars"]
+    chosen = vllm_pipeline.engine_runtime_env(spec(), "cpu", {"distributed_executor_backend": "mp"})
+    assert vllm_pipeline.ONE_PROCESS_ENV not in chosen["env_vars"]
+    mine = vllm_pipeline.engine_runtime_env(
+        spec(runtime_env={"env_vars": {vllm_pipeline.ONE_PROCESS_ENV: "1"}}), "cpu", {}
+    )
+    assert mine["env_vars"][vllm_pipeline.ONE_PROCESS_ENV] == "1"

@@ -504,6 +504,18 @@ def check_task_type(task_type: str) -> None:
         ) from None
 
 
+# vLLM's CPU platform runs even a one-worker engine as a separate worker process beside its engine core
+# (the core then only schedules), so each CPU engine imports torch and vLLM three times: in Ray's actor,
+# the engine core and the worker. With this vLLM switch off, the one worker runs inside the engine core,
+# as it does on a GPU; the engine core stays a process of its own (Ray's stage drives vLLM's async engine).
+ONE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def one_process_engine(engine_kwargs: dict[str, Any]) -> bool:
+    """A CPU engine of one worker whose executor the user left to vLLM."""
+    return world_size(engine_kwargs) == 1 and "distributed_executor_backend" not in engine_kwargs
+
+
 USAGE_STATS_OPT_OUT = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
@@ -524,6 +536,8 @@ def engine_runtime_env(
         # vLLM setting splits the engine's cores evenly between its workers instead; set
         # VLLM_CPU_OMP_THREADS_BIND in runtime_env to choose the cores yourself.
         added["VLLM_CPU_SIM_MULTI_NUMA"] = "1"
+    if profile == "cpu" and one_process_engine(engine_kwargs or {}) and ONE_PROCESS_ENV not in user_vars:
+        added[ONE_PROCESS_ENV] = "0"
     if not added:
         return spec.runtime_env
     env = dict(spec.runtime_env or {})
@@ -750,8 +764,10 @@ class VLLMEngine(Engine):
 
     def describe(self) -> str:
         stages = self.stages()
+        env = (engine_runtime_env(self.p, self.profile, self.engine_kwargs) or {}).get("env_vars") or {}
+        layout = "; its worker runs in the engine core process" if env.get(ONE_PROCESS_ENV) == "0" else ""
         return (
-            f"vLLM engine for {self.p.model_source} ({self.p.task_type}), profile {self.profile} (cluster GPUs: {self.gpus:g}); "
+            f"vLLM engine for {self.p.model_source} ({self.p.task_type}), profile {self.profile} (cluster GPUs: {self.gpus:g}){layout}; "
             f"engine_kwargs {redact(self.engine_kwargs)}; placement {self.placement}; {self.p.concurrency} replica(s), "
             f"batches of {self.feed.batch_size} x {self.feed.max_concurrent_batches} in flight "
             f"(engine request cap {self.feed.max_pending_requests}); Ray stages besides the engine: {stages or 'none'}"
