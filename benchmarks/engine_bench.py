@@ -11,8 +11,8 @@ detokenize stages turned on (the A/B of folding them into the engine).
 
 Provider overhead: our Ray job's duration over the plain script's, both from the Jobs API's start and end
 times (median of the rounds); the whole-operator figure (task start to manifest in hand) beside it.
-Engine efficiency: our steady-state output tokens/s (from the engine's readiness to the last answer, as our
-job's manifest times them) over the offline path's.
+Engine efficiency: our steady-state output tokens/s (from vLLM's "init engine" line in our job's log to the
+last answer, as our job's manifest times it) over the offline path's.
 
 Every row asks for exactly --max-tokens tokens (ignore_eos), so token counts are equal across methods.
 Writes benchmarks/results/<date>-engine.json; benchmarks/report.py turns it into docs/PERFORMANCE.md.
@@ -113,7 +113,13 @@ class Bench:
         job_start, job_end = self._job_times(manifest["submission_id"])
         log = self.hook.get_job_logs(manifest["submission_id"])
         timeline = manifest["timeline"]
-        ready, last = timeline.get("engine_ready_s"), timeline.get("last_answer_s")
+        # The engine's readiness from vLLM's own "init engine" line, as for the plain script: the driver's
+        # progress log sees the engine's actor only at its next look, after the first answers at times.
+        origin = datetime.fromisoformat(manifest["started_at"]).timestamp()
+        init = engine_ready_at(log)
+        ready = None if init is None else init - origin
+        last = timeline.get("last_answer_s")
+        timeline = {**timeline, "engine_init_s": ready}
         steady = (
             manifest["output_tokens"] / (last - ready)
             if ready is not None and last is not None and last > ready
@@ -203,6 +209,7 @@ def summarize(args: argparse.Namespace, bench: Bench, runs: dict[str, list[dict]
 
     results = {
         "date": date.today().isoformat(),
+        "command": " ".join([".venv/bin/python benchmarks/engine_bench.py", *sys.argv[1:]]),
         "rows": args.rows,
         "max_tokens": args.max_tokens,
         "rounds": len(runs["ours"]),
@@ -231,7 +238,14 @@ def summarize(args: argparse.Namespace, bench: Bench, runs: dict[str, list[dict]
             step: statistics.median(v)
             if (v := [r["timeline"][step] for r in runs["ours"] if r["timeline"].get(step) is not None])
             else None
-            for step in ("plan_started_s", "engine_ready_s", "first_answer_s", "first_output_file_s", "last_answer_s")
+            for step in (
+                "plan_started_s",
+                "engine_init_s",
+                "engine_ready_s",
+                "first_answer_s",
+                "first_output_file_s",
+                "last_answer_s",
+            )
         },
         "plain_engine_ready_s": statistics.median(v)
         if (v := [r["engine_ready_s"] for r in runs["plain"] if r["engine_ready_s"] is not None])
