@@ -76,57 +76,46 @@ def gpu_projection() -> dict:
 
 
 def plot_engine(engine: dict) -> None:
+    """Left: each Ray job's duration, ours against the plain script (and ours with Ray's separate tokenize and
+    detokenize stages); right: steady-state output tokens/s against vLLM's offline path."""
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.4))
-    t = engine.get("timeline_median_s")
-    if t and t["ours"].get("engine_ready_s") is not None and t["plain"].get("engine_ready_s") is not None:
-        ours, plain = t["ours"], t["plain"]
-        outside_ours = engine["ours_breakdown_median_s"]["total_s"] - ours["job_s"]
-        outside_plain = engine["plain_total_s"]["median"] - plain["job_s"]
-        bars = {
-            "VLLMBatchOperator": [
-                ("start, checks and read, engine start", ours["engine_ready_s"], "#2b6cb0"),
-                ("rows through the engine", ours["rows_done_s"] - ours["engine_ready_s"], "#63b3ed"),
-                ("write and manifest", ours["job_s"] - ours["rows_done_s"], "#bee3f8"),
-                ("outside the job (submit, end noticed)", outside_ours, "#e2e8f0"),
-            ],
-            "ray job submit (plain)": [
-                ("start, checks and read, engine start", plain["engine_ready_s"], "#2b6cb0"),
-                ("rows through the engine", plain["job_s"] - plain["engine_ready_s"], "#63b3ed"),
-                ("outside the job (submit, end noticed)", outside_plain, "#e2e8f0"),
-            ],
-        }
-        seen = set()
-        for name, parts in bars.items():
-            left = 0.0
-            for label, value, color in parts:
-                value = max(0.0, value)
-                ax1.barh([name], [value], left=left, color=color, label=None if label in seen else label)
-                seen.add(label)
-                left += value
-    else:
-        b = engine["ours_breakdown_median_s"]
-        ax1.barh(["VLLMBatchOperator"], [b["total_s"]], color="#2b6cb0")
-        ax1.barh(["ray job submit (plain)"], [engine["plain_total_s"]["median"]], color="#718096")
-    ax1.set_xlabel("seconds, task start to result (median)")
-    ax1.legend(fontsize=7, loc="lower right")
+
+    def bars(ax, series, xlabel):
+        series = [(n, v, c) for n, v, c in series if v]
+        names = [n for n, _, _ in series]
+        meds = [v["median"] for _, v, _ in series]
+        errs = [
+            [m - v["min"] for m, (_, v, _) in zip(meds, series)],
+            [v["max"] - m for m, (_, v, _) in zip(meds, series)],
+        ]
+        ax.barh(names, meds, xerr=errs, color=[c for _, _, c in series], capsize=4)
+        ax.set_xlabel(xlabel)
+
+    bars(
+        ax1,
+        [
+            ("VLLMBatchOperator's job", engine["ours_job_s"], "#2b6cb0"),
+            ("plain ray.data.llm script", engine["plain_job_s"], "#718096"),
+            ("ours + tokenize/detokenize stages", engine.get("ours_stages_job_s"), "#a0aec0"),
+        ],
+        "Ray job seconds, Jobs API start to end (median, min-max)",
+    )
     ax1.set_title(
         f"{engine['rows']} rows x {engine['max_tokens']} tokens: overhead {engine['provider_overhead_ratio']:.2f}x"
     )
-    series = [("our vLLM path (steady)", engine["ours_steady_tokens_per_s"], "#2b6cb0")]
-    phase = engine.get("engine_phase_tokens_per_s") or {}
-    if phase.get("ours") and phase.get("plain"):
-        series += [
-            ("ours, engine ready -> last row", phase["ours"], "#63b3ed"),
-            ("plain script, engine ready -> end", phase["plain"], "#a0aec0"),
-        ]
-    series.append(("vLLM LLM.chat offline", engine["offline_tokens_per_s"], "#718096"))
-    names = [n for n, _, _ in series]
-    meds = [v["median"] for _, v, _ in series]
-    errs = [[m - v["min"] for m, (_, v, _) in zip(meds, series)], [v["max"] - m for m, (_, v, _) in zip(meds, series)]]
-    ax2.barh(names, meds, xerr=errs, color=[c for _, _, c in series], capsize=4)
-    ax2.set_xlabel("output tokens per second (median, min-max)")
-    ax2.set_title(f"engine efficiency {engine['engine_efficiency_ratio']:.2f}x")
+    steady = engine["steady_tokens_per_s"]
+    bars(
+        ax2,
+        [
+            ("ours, engine ready -> last answer", steady["ours"], "#2b6cb0"),
+            ("ours + tokenize/detokenize stages", steady.get("ours_stages"), "#a0aec0"),
+            ("vLLM LLM.chat offline", engine["offline_tokens_per_s"], "#718096"),
+        ],
+        "output tokens per second (median, min-max)",
+    )
+    ratio = engine["engine_efficiency_ratio"]
+    ax2.set_title("engine efficiency " + ("not measured" if ratio is None else f"{ratio:.2f}x"))
     fig.tight_layout()
     IMG.mkdir(parents=True, exist_ok=True)
     fig.savefig(IMG / "engine_overhead.png", dpi=120)
@@ -182,130 +171,100 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def _timeline_table(e: dict) -> str:
-    """Where the job's time goes, ours against the plain script, from both jobs' logs."""
-    t = e.get("timeline_median_s")
-    if not t:
-        return ""
-    ours, plain = t["ours"], t["plain"]
-    rows = [
-        ("our checks done (vLLM imported, settings judged)", "checks_done_s"),
-        ("rows read and turned into requests", "rows_prepared_s"),
-        ("engine ready (vLLM's `init engine` line)", "engine_ready_s"),
-        ("all rows answered", "rows_done_s"),
-        ("job end (outputs written; ours: manifest published)", "job_s"),
-    ]
-    table = "\n".join(f"| {label} | {_fmt(ours.get(key))} | {_fmt(plain.get(key))} |" for label, key in rows)
-    text = f"""
-Step by step, seconds from each Ray job's start (medians; from the job logs):
+def _samples(spread: dict | None, digits: int = 3) -> str:
+    return "-" if not spread else ", ".join(f"{v:.{digits}f}" for v in spread["samples"])
 
-| step | ours | plain script |
-|---|---|---|
+
+def _timeline_table(e: dict) -> str:
+    """Our job's steps, seconds from its driver's start (medians over the rounds, from the manifest and the log)."""
+    t = e.get("timeline_median_s") or {}
+    rows = [
+        ("the plan started (checks passed, rows about to stream)", "plan_started_s"),
+        ("the engine ready (vLLM's `init engine` line)", "engine_init_s"),
+        ("the first answer", "first_answer_s"),
+        ("the first output file written", "first_output_file_s"),
+        ("the last answer", "last_answer_s"),
+    ]
+    table = "\n".join(f"| {label} | {_fmt(t.get(key))} |" for label, key in rows)
+    plain = e.get("plain_engine_ready_s")
+    return f"""Our job step by step, seconds from its driver's start (medians):
+
+| step | seconds |
+|---|---|
 {table}
+
+The plain script's engine was ready {_fmt(plain)} s after its job started (the same vLLM line).
 """
-    if ours.get("engine_ready_s") is not None and plain.get("engine_ready_s") is not None:
-        before = ours["engine_ready_s"] - plain["engine_ready_s"]
-        after = (ours["job_s"] - ours["engine_ready_s"]) - (plain["job_s"] - plain["engine_ready_s"])
-        if before > 0:
-            first = f"our job reaches a ready engine **{before:.1f} s later** than the plain script (the checks that fail bad input before any engine starts, and reading the rows into requests first)"
-        else:
-            first = f"our job reaches a ready engine no later than the plain script ({-before:.1f} s earlier; the engine start dominates and varies by more than our checks take)"
-        text += f"""
-What bounds the overhead: {first}; from a ready engine to the job's end it takes **{after:+.1f} s** against
-the plain script (counting progress, splitting error rows from answers, writing after the rows are in
-rather than while they stream, and publishing the manifest).
-"""
-    return text
 
 
 def _occupancy_text(e: dict) -> str:
-    occ = e.get("engine_occupancy")
-    if not occ or occ["ours"].get("mean_running") is None:
+    occ = e.get("engine_occupancy") or {}
+    ours, plain = occ.get("ours") or {}, occ.get("plain") or {}
+    if ours.get("mean_running") is None:
         return ""
-    ours, plain = occ["ours"], occ["plain"]
-    allowed = e["batch_size"] * e["max_concurrent_batches"]
-    seqs = e["engine_kwargs"].get("max_num_seqs", "vLLM's default")
+    feed = e["resolved"]["feed"]
+    allowed = feed["batch_size"] * feed["max_concurrent_batches"]
+    seqs = e["resolved"]["engine_kwargs"].get("max_num_seqs", "vLLM's default")
     plain_text = (
         f"; the plain script's engine {plain['mean_running']:.0f} (peak {plain['max_running']})"
         if plain.get("mean_running") is not None
         else ""
     )
-    return f"""
-What bounds efficiency: while generating, our engine ran on average **{ours["mean_running"]:.0f} requests
-at once** (peak {ours["max_running"]}; from vLLM's stats lines in the job log){plain_text}, with
-{allowed} rows allowed in flight (`batch_size` x `max_concurrent_batches`) and `max_num_seqs` {seqs}.
-vLLM's offline path puts all {e["rows"]} prompts in its queue at once. Rows reach the engine in batches
-through the stages before it, so the running count ramps up and drains in steps rather than staying full.
-{_phase_text(e)}"""
-
-
-def _phase_text(e: dict) -> str:
-    phase = e.get("engine_phase_tokens_per_s")
-    if not phase or not phase.get("ours") or not phase.get("plain"):
-        return ""
-    ours, plain = phase["ours"]["median"], phase["plain"]["median"]
-    offline = e["offline_tokens_per_s"]["median"]
-    cpus = (e.get("machine") or {}).get("cpus", "the")
-    text = f"""
-From a ready engine to the last row, our job delivered **{ours:.0f} output tokens/s** and the plain
-`ray.data.llm` script **{plain:.0f} tokens/s** (its write included), against {offline:.0f} tokens/s offline
-({ours / offline:.2f}x and {plain / offline:.2f}x). """
-    if ours >= 0.9 * plain:
-        text += f"""The two Ray Data pipelines are within {abs(ours / plain - 1) * 100:.0f}% of each other,
-so the gap to the offline engine is the Ray Data pipeline's (stage hand-offs, and the engine's frontend
-process sharing {cpus} cores with the stages), not something our operator adds.
-"""
-    else:
-        text += f"""Our pipeline is {(1 - ours / plain) * 100:.0f}% slower than the plain one in this phase:
-that part of the gap is ours (the progress and resume stages after the engine).
-"""
-    return text
+    return (
+        f"While generating, our engine ran **{ours['mean_running']:.0f} requests at once** on average (peak "
+        f"{ours['max_running']}; vLLM's stats lines in the job log){plain_text}, with {allowed} rows allowed in "
+        f"flight (`batch_size` x `max_concurrent_batches`) and `max_num_seqs` {seqs}.\n"
+    )
 
 
 def engine_section(e: dict | None) -> str:
     if e is None:
         return "## Provider overhead and engine efficiency\n\n" + _missing("engine")
-    b = e["ours_breakdown_median_s"]
-    slots = e["airflow_worker_slot_s"]
+    resolved = e["resolved"]
+    steady, offline = e["steady_tokens_per_s"], e["offline_tokens_per_s"]
+    ratio = e["engine_efficiency_ratio"]
+    if ratio is None:
+        efficiency = (
+            "**Engine efficiency: not measured in this run** (no round had an engine-ready to last-answer window)."
+        )
+    else:
+        efficiency = (
+            f"**Engine efficiency: {ratio:.2f}x** (target >= 0.85x; rounds {_samples(e['engine_efficiency'], 2)}): "
+            f"our steady-state output tokens/s, from vLLM's `init engine` line in our job's log to the last answer, "
+            f"median **{steady['ours']['median']:.0f}**, over vLLM's own `LLM.chat` over the same prompts and engine "
+            f"settings after a warm-up, median **{offline['median']:.0f}** tokens/s."
+        )
+    ab = ""
+    if e.get("ours_stages_job_s"):
+        stages = steady.get("ours_stages")
+        ab = (
+            f"\n**Ray's separate tokenize and detokenize stages** (the A/B of folding them into the engine, "
+            f"{len(e['ours_stages_job_s']['samples'])} round(s)): our job with them took "
+            f"{e['ours_stages_job_s']['median']:.1f} s against {e['ours_job_s']['median']:.1f} s without"
+            + (f", {stages['median']:.0f} against {steady['ours']['median']:.0f} steady tokens/s" if stages else "")
+            + ". The default leaves them off: vLLM's engine tokenizes and detokenizes itself.\n"
+        )
+    command = e.get("command", "benchmarks/engine_bench.py")
     return f"""## Provider overhead and engine efficiency (VLLMBatchOperator)
 
-{e["rows"]} prompts, exactly {e["max_tokens"]} output tokens each (`ignore_eos`), {e["model"]},
-engine_kwargs `{json.dumps(e["engine_kwargs"])}`, batch_size {e["batch_size"]} x max_concurrent_batches
-{e["max_concurrent_batches"]}; {e["rounds"]} interleaved rounds.
+Run {e["date"]}: `{command}`. {e["rows"]} prompts, exactly {e["max_tokens"]} output tokens each (`ignore_eos`),
+{e["model"]}, engine_kwargs `{json.dumps(resolved["engine_kwargs"])}`, batch_size {resolved["feed"]["batch_size"]} x
+max_concurrent_batches {resolved["feed"]["max_concurrent_batches"]}; {e["rounds"]} interleaved rounds of our
+operator, the same `ray.data.llm` pipeline as a plain script through the Jobs API (the engine and processor
+settings our job resolved), and vLLM's offline `LLM.chat`.
 
 ![overhead and efficiency](img/engine_overhead.png)
 
-Tuned defaults: a batch job gets vLLM's *offline* scheduler limits (`max_num_seqs` 256 and
-`max_num_batched_tokens` 4,096 on a CPU) instead of the generic 128 / 2,048 that vLLM gives the async engine
-Ray Data starts, and `batch_size` 32 x `max_concurrent_batches` 8 to feed them. The first `make bench` of
-this date, with the earlier 16 x 8 and vLLM's generic limits, measured a provider overhead of 1.25x
-(142.1 s against 124.6 s) and an engine efficiency of 0.45x (251 against 514 tokens/s).
-
-**Provider overhead: {e["provider_overhead_ratio"]:.3f}x** (target <= 1.05x; rounds
-{", ".join(f"{v:.3f}" for v in e["provider_overhead"]["samples"])}). VLLMBatchOperator from task start to the
-manifest in hand, against the same `ray.data.llm` pipeline as a plain script through `ray job submit`
-(median {e["plain_total_s"]["median"]:.1f} s). Where our {b["total_s"]:.1f} s go (medians):
-
-| part | seconds |
-|---|---|
-| submit: spec built, package zipped and uploaded, job submitted | {b["submit_s"]:.1f} |
-| until the Ray driver started | {b["until_driver_started_s"]:.1f} |
-| the job's driver (checks, read, engine start, rows, write, manifest) | {b["driver_s"]:.1f} |
-| end noticed (poll interval 0.5 s, manifest read) | {b["end_noticed_s"]:.1f} |
+**Provider overhead: {e["provider_overhead_ratio"]:.2f}x** (target <= 1.05x; rounds
+{_samples(e["provider_overhead"])}): our Ray job's duration over the plain script's, both from the Jobs API's
+start and end times (medians {e["ours_job_s"]["median"]:.1f} s and {e["plain_job_s"]["median"]:.1f} s). The whole
+operator (task start to the manifest in hand, non-deferred) over the plain job: median
+{e["operator_overhead"]["median"]:.2f}x.
 
 {_timeline_table(e)}
-**Engine efficiency: {e["engine_efficiency_ratio"]:.3f}x** (target >= 0.95x; rounds
-{", ".join(f"{v:.3f}" for v in e["engine_efficiency"]["samples"])}). Our path's steady-state output tokens/s is
-the difference between a {e["rows"]}-row and a {e["small_rows"]}-row job of the same settings (engine start-up
-cancels out): median {e["ours_steady_tokens_per_s"]["median"]:.0f} tokens/s, against vLLM's own `LLM.chat` over the
-same prompts after a warm-up: {e["offline_tokens_per_s"]["median"]:.0f} tokens/s.
-{_occupancy_text(e)}
+{efficiency}
 
-**Airflow cost.** Worker slot-seconds per job: not deferred {slots["not_deferred"]["median"]:.1f} s (the whole
-{slots["not_deferred_job_s"]:.0f} s job); deferred {slots["deferred"]["median"]:.2f} s (submission, then the
-manifest read after the trigger fired) for a {slots["deferred_job_s"]:.0f} s job. A deferred task's cost does not
-grow with the job's length; a non-deferred one holds its slot for all of it.
-"""
+{_occupancy_text(e)}{ab}"""
 
 
 def http_section(h: dict | None) -> str:
@@ -534,7 +493,6 @@ def main() -> int:
         merged.update(
             provider_overhead_ratio=engine["provider_overhead_ratio"],
             engine_efficiency_ratio=engine["engine_efficiency_ratio"],
-            airflow_worker_slot_s=engine["airflow_worker_slot_s"],
         )
         plot_engine(engine)
     if http:
