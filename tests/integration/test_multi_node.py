@@ -88,7 +88,15 @@ def test_a_pipeline_parallel_engine_runs_on_the_node_its_placement_asks_for(mult
     assert "accelerator_type='A100': no node of the Ray cluster offers 'accelerator_type:A100'" in refusal
     assert f"the cluster's accelerator types: {ACCELERATOR}" in refusal
 
-    conf = {"model_source": str(smollm2), "concurrency": 1, "accelerator_type": ACCELERATOR}
+    # The example's engine settings, traced once by torch's dynamo without inductor's code generation: the
+    # warm-up that allocates the buffers between pipeline stages still runs, without a compile of minutes.
+    engine_kwargs = {**dag.params["engine_kwargs"], "compilation_config": {"mode": 2, "backend": "eager"}}
+    conf = {
+        "model_source": str(smollm2),
+        "concurrency": 1,
+        "accelerator_type": ACCELERATOR,
+        "engine_kwargs": engine_kwargs,
+    }
     dag = load_dag("dags_examples", "example_model_parallel", "example_model_parallel")
     dag_run = dag.test(logical_date=utc(2026, 10, 1), run_after=utc(2026, 10, 1), run_conf=conf)
     assert task_state(dag_run, "answer") == "success"
