@@ -319,9 +319,16 @@ _SCALE_COLUMNS = [
 ]
 
 
+def _run_of(p: dict) -> str:
+    run = p.get("run") or {}
+    return " ".join(str(run[k]) for k in ("started", "commit") if run.get(k)) or "-"
+
+
 def _scale_table(points: list[dict]) -> str:
     streamed = all("object_store_peak_mb" in p for p in points)
     columns = [(head, cell) for head, cell, needs_stream in _SCALE_COLUMNS if streamed or not needs_stream]
+    if any(p.get("run") for p in points):  # sizes from more than one run: say which run measured each
+        columns.append(("run (start, commit)", _run_of))
     lines = ["| " + " | ".join(head for head, _ in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(p) for _, cell in columns) + " |" for p in points]
     return "\n".join(lines)

@@ -35,6 +35,7 @@ OBJECT_STORE_BYTES = 512 * 2**20
 # The jobs' object_store_window_mb: the rows in flight may fill this much of the store. Without it, Ray Data's
 # own share of the 512 MiB store applies, which 10^5 short rows never reach but 10^6 do (see the results' notes).
 WINDOW_MB = 16
+PROGRESS_TICKS = 300  # one progress line a minute (the watch samples every 0.2 s)
 _METRIC = re.compile(r"^(?P<name>[a-z_]+)\{(?P<labels>[^}]*)\} (?P<value>[0-9.e+-]+)")
 
 
@@ -98,16 +99,31 @@ class Watch:
         if self.first_output_at is None and any(self.output_uri.glob("_generations/*/outputs/part-*")):
             self.first_output_at = time.time()
 
+    def peaks(self) -> dict[str, float | None]:
+        return {
+            "driver_peak_mb": round(self.driver_mb, 1),
+            "worker_peak_mb": round(self.worker_mb, 1),
+            "object_store_peak_mb": round(self.object_store_mb, 1),
+            "spilled_mb": round(self.spilled_mb, 1),
+            "output_files": sum(1 for _ in self.output_uri.glob("_generations/*/outputs/part-*")),
+        }
+
     def _run(self) -> None:
         import psutil
 
         me = psutil.Process()
         tick = 0
+        started = time.time()
         while not self._stop.is_set():
             self._sample_memory(me)
             self._sample_outputs()
             if tick % 5 == 0:
                 self._sample_ray()
+            if tick and tick % PROGRESS_TICKS == 0:  # a long size leaves its peaks so far in the log
+                print(
+                    f"scale progress {json.dumps({'elapsed_s': round(time.time() - started), **self.peaks()})}",
+                    flush=True,
+                )
             tick += 1
             time.sleep(0.2)
         self._sample_ray()
@@ -120,6 +136,13 @@ class Watch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def git_commit() -> str | None:
+    import subprocess
+
+    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or None
 
 
 def write_rows(path: Path, n: int) -> str:
@@ -146,9 +169,16 @@ def main() -> int:
     parser.add_argument(
         "--window-mb", type=int, default=WINDOW_MB, help="the operators' object_store_window_mb (0: Ray Data's default)"
     )
+    parser.add_argument(
+        "--add-to",
+        type=Path,
+        help="an earlier result of the same settings: its sizes are kept beside this run's (each point says its run)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     window = args.window_mb or None  # 0: Ray Data's own share of the store
+    run = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit()}
+    earlier = json.loads(args.add_to.read_text()) if args.add_to else None
 
     home = bench_home("scale")
 
@@ -211,12 +241,25 @@ def main() -> int:
                     "first_output_s": None if watch.first_output_at is None else watch.first_output_at - job_start,
                     "first_output_s_manifest": manifest.get("first_output_s"),
                     "output_files": len(manifest["output_files"]),
+                    "run": run,
                 }
                 points.append(point)
                 print(json.dumps(point), flush=True)
     finally:
         cluster.stop()
 
+    settings = {
+        "actors": args.actors,
+        "in_flight": args.in_flight,
+        "batch_size": args.batch_size,
+        "object_store_mb": OBJECT_STORE_BYTES // 2**20,
+        "object_store_window_mb": window,
+    }
+    if earlier is not None:
+        if earlier["settings"] != settings:
+            raise SystemExit(f"--add-to: {args.add_to} ran with {earlier['settings']}, this run with {settings}")
+        mine = {p["rows"] for p in points}
+        points = sorted([p for p in earlier["scale"] if p["rows"] not in mine] + points, key=lambda p: p["rows"])
     marginal = []
     for a, b in zip(points, points[1:]):
         marginal.append(
@@ -231,13 +274,8 @@ def main() -> int:
             f"(client and server share the 2 cores), Ray head object store capped at {OBJECT_STORE_BYTES // 2**20} MiB; rows/s from task start to "
             "manifest, engine-free, so the figures are the pipeline's own cost."
         ),
-        "settings": {
-            "actors": args.actors,
-            "in_flight": args.in_flight,
-            "batch_size": args.batch_size,
-            "object_store_mb": OBJECT_STORE_BYTES // 2**20,
-            "object_store_window_mb": window,
-        },
+        "settings": settings,
+        "runs": [dict(r) for r in sorted({tuple(sorted((p.get("run") or {}).items())) for p in points})],
         "scale": points,
         "marginal": marginal,
         "versions": {"ray": ray.__version__},
@@ -252,6 +290,8 @@ def main() -> int:
         }
         if len(marginal) >= 2:
             results["checks"]["marginal_rate_change"] = marginal[-1]["rows_per_s"] / marginal[0]["rows_per_s"] - 1
+    if earlier is not None and earlier.get("notes"):
+        results["notes"] = earlier["notes"]  # the earlier run's hand-written notes stay with its points
     out.write_text(json.dumps(results, indent=2))
     print(json.dumps(results.get("checks")), flush=True)
     return 0
