@@ -40,6 +40,8 @@ with DAG(
         task_type="embed",
         engine_kwargs="{{ params.engine_kwargs }}",
         batch_size=32,
+        # A file every 256 embeddings: the first ones appear while the engine still embeds the rest.
+        output_rows_per_file=256,
         concurrency="{{ params.concurrency }}",
         placement_group_config="{{ params.placement_group_config }}",
         apply_chat_template=False,

@@ -34,7 +34,7 @@ def _png(color) -> bytes:
 def test_the_guides_embeddings_stream_2048_rows_with_no_engine_kwargs(ray_conn, airflow_db):
     """The guide's embeddings block as written (TaskFlow, its own preprocess and postprocess), no
     engine_kwargs: the max_model_len default is fitted to MiniLM's 256 positions. Over 2,048 rows the first
-    output file is written while the engine still has rows to answer."""
+    output file (of 256 rows, as the example sets) is written while the engine still has rows to answer."""
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
 
     rows = 2048
