@@ -6,8 +6,10 @@ Each round runs, in a rotated order:
   engine and processor settings our job resolved (read from our manifest) and its own write;
 - offline: vLLM's own ``LLM.chat`` over the same prompts and engine settings (engine start and a warm-up
   excluded);
-and, in the first ``--ab-rounds`` rounds, ``ours_stages``: ours with Ray's separate tokenize and
-detokenize stages turned on (the A/B of folding them into the engine).
+and, in the first ``--ab-rounds`` rounds, the A/B variants named by ``--ab``: ``ours_stages``, ours with
+Ray's separate tokenize and detokenize stages turned on (the A/B of folding them into the engine), and
+``ours_mp``, ours with vLLM's own process layout on the CPU (its worker a process of its own beside the engine
+core, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``; ours runs that worker inside the engine core).
 
 Provider overhead: our Ray job's duration over the plain script's, both from the Jobs API's start and end
 times (median of the rounds); the whole-operator figure (task start to manifest in hand) beside it.
@@ -39,6 +41,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import bench_home  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
+AB_KINDS = ("ours_stages", "ours_mp")
 _VLLM_STAMP = re.compile(r"(?:INFO|WARNING) (\d\d-\d\d \d\d:\d\d:\d\d) ")
 _ENGINE_STATS = re.compile(r"Avg generation throughput: ([\d.]+) tokens/s, Running: (\d+) reqs")
 
@@ -222,9 +225,10 @@ def summarize(args: argparse.Namespace, bench: Bench, runs: dict[str, list[dict]
         "plain_job_s": spread([r["job_s"] for r in runs["plain"]]) if runs["plain"] else None,
         "engine_efficiency_ratio": statistics.median(efficiency) if efficiency else None,
         "engine_efficiency": spread(efficiency) if efficiency else None,
-        "steady_tokens_per_s": {"ours": steady("ours"), "ours_stages": steady("ours_stages")},
+        "steady_tokens_per_s": {kind: steady(kind) for kind in ("ours", *AB_KINDS)},
         "offline_tokens_per_s": spread([r["tokens_per_s"] for r in runs["offline"]]) if runs["offline"] else None,
         "ours_stages_job_s": spread([r["job_s"] for r in runs["ours_stages"]]) if runs["ours_stages"] else None,
+        "ours_mp_job_s": spread([r["job_s"] for r in runs["ours_mp"]]) if runs["ours_mp"] else None,
         "engine_occupancy": {
             kind: {
                 "mean_running": statistics.median(v)
@@ -232,7 +236,7 @@ def summarize(args: argparse.Namespace, bench: Bench, runs: dict[str, list[dict]
                 else None,
                 "max_running": max((r["engine"]["max_running"] or 0) for r in runs[kind]) if runs[kind] else None,
             }
-            for kind in ("ours", "plain", "ours_stages")
+            for kind in ("ours", "plain", *AB_KINDS)
         },
         "timeline_median_s": {
             step: statistics.median(v)
@@ -264,9 +268,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument(
-        "--ab-rounds", type=int, default=3, help="rounds that also run ours with Ray's tokenize/detokenize stages"
-    )
+    parser.add_argument("--ab-rounds", type=int, default=3, help="rounds that also run the A/B variants of ours (--ab)")
+    parser.add_argument("--ab", default="stages,mp", help="A/B variants: stages (Ray's tokenize/detokenize), mp")
     args = parser.parse_args()
 
     home = bench_home("engine-bench")
@@ -277,12 +280,13 @@ def main() -> int:
     info = cluster.start()
     os.environ["AIRFLOW_CONN_RAY_BENCH"] = info.airflow_conn_uri()
     bench = Bench(args, home, info)
-    runs: dict[str, list[dict]] = {"ours": [], "plain": [], "offline": [], "ours_stages": []}
+    runs: dict[str, list[dict]] = {"ours": [], "plain": [], "offline": [], **{kind: [] for kind in AB_KINDS}}
+    ab = [f"ours_{name}" for name in args.ab.split(",") if name]
     results: dict = {}
     try:
         for round_no in range(args.rounds):
             # ours first in the first round (its manifest gives the others their settings), then rotated.
-            order = ["ours", "plain", "offline"] + (["ours_stages"] if round_no < args.ab_rounds else [])
+            order = ["ours", "plain", "offline"] + (ab if round_no < args.ab_rounds else [])
             if round_no:
                 shift = round_no % len(order)
                 order = order[shift:] + order[:shift]
@@ -290,6 +294,8 @@ def main() -> int:
                 name = f"r{round_no}-{kind}"
                 if kind == "ours":
                     result = bench.ours(name)
+                elif kind == "ours_mp":
+                    result = bench.ours(name, runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}})
                 elif kind == "ours_stages":
                     result = bench.ours(name, tokenize_stage=True, detokenize_stage=True)
                 elif kind == "plain":

@@ -98,6 +98,7 @@ def plot_engine(engine: dict) -> None:
             ("VLLMBatchOperator's job", engine["ours_job_s"], "#2b6cb0"),
             ("plain ray.data.llm script", engine["plain_job_s"], "#718096"),
             ("ours + tokenize/detokenize stages", engine.get("ours_stages_job_s"), "#a0aec0"),
+            ("ours, worker in its own process", engine.get("ours_mp_job_s"), "#cbd5e0"),
         ],
         "Ray job seconds, Jobs API start to end (median, min-max)",
     )
@@ -110,6 +111,7 @@ def plot_engine(engine: dict) -> None:
         [
             ("ours, engine ready -> last answer", steady["ours"], "#2b6cb0"),
             ("ours + tokenize/detokenize stages", steady.get("ours_stages"), "#a0aec0"),
+            ("ours, worker in its own process", steady.get("ours_mp"), "#cbd5e0"),
             ("vLLM LLM.chat offline", engine["offline_tokens_per_s"], "#718096"),
         ],
         "output tokens per second (median, min-max)",
@@ -243,6 +245,16 @@ def engine_section(e: dict | None) -> str:
             f"{e['ours_stages_job_s']['median']:.1f} s against {e['ours_job_s']['median']:.1f} s without"
             + (f", {stages['median']:.0f} against {steady['ours']['median']:.0f} steady tokens/s" if stages else "")
             + ". The default leaves them off: vLLM's engine tokenizes and detokenizes itself.\n"
+        )
+    if e.get("ours_mp_job_s"):
+        mp = steady.get("ours_mp")
+        ab += (
+            f"\n**One process for the CPU engine's worker** ({len(e['ours_mp_job_s']['samples'])} round(s)): with "
+            f"vLLM's own layout (the worker a process of its own, `VLLM_ENABLE_V1_MULTIPROCESSING=1`) our job took "
+            f"{e['ours_mp_job_s']['median']:.1f} s against {e['ours_job_s']['median']:.1f} s with the worker inside "
+            "the engine core (the default)"
+            + (f", {mp['median']:.0f} against {steady['ours']['median']:.0f} steady tokens/s" if mp else "")
+            + ".\n"
         )
     command = e.get("command", "benchmarks/engine_bench.py")
     return f"""## Provider overhead and engine efficiency (VLLMBatchOperator)
