@@ -133,6 +133,9 @@ def stack(ray_conn, test_home, service_logs):
     env.update(
         {
             "AIRFLOW_HOME": str(home),
+            # standalone's SQLite database, written by its scheduler while the CLI creates a backfill: wait up
+            # to a minute for the other writer (SQLite's default of 5 s ran out in CI: "database is locked").
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}?timeout=60",
             "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
