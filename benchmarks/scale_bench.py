@@ -275,7 +275,7 @@ def main() -> int:
             "manifest, engine-free, so the figures are the pipeline's own cost."
         ),
         "settings": settings,
-        "runs": [dict(r) for r in sorted({tuple(sorted((p.get("run") or {}).items())) for p in points})],
+        "runs": [dict(r) for r in sorted({tuple(sorted(p["run"].items())) for p in points if p.get("run")})],
         "scale": points,
         "marginal": marginal,
         "versions": {"ray": ray.__version__},
