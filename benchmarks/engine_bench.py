@@ -227,8 +227,7 @@ def summarize(args: argparse.Namespace, bench: Bench, runs: dict[str, list[dict]
         "engine_efficiency": spread(efficiency) if efficiency else None,
         "steady_tokens_per_s": {kind: steady(kind) for kind in ("ours", *AB_KINDS)},
         "offline_tokens_per_s": spread([r["tokens_per_s"] for r in runs["offline"]]) if runs["offline"] else None,
-        "ours_stages_job_s": spread([r["job_s"] for r in runs["ours_stages"]]) if runs["ours_stages"] else None,
-        "ours_mp_job_s": spread([r["job_s"] for r in runs["ours_mp"]]) if runs["ours_mp"] else None,
+        **{f"{kind}_job_s": spread([r["job_s"] for r in runs[kind]]) if runs[kind] else None for kind in AB_KINDS},
         "engine_occupancy": {
             kind: {
                 "mean_running": statistics.median(v)
@@ -295,7 +294,9 @@ def main() -> int:
                 if kind == "ours":
                     result = bench.ours(name)
                 elif kind == "ours_mp":
-                    result = bench.ours(name, runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}})
+                    from airflow_provider_rayllm.job.engines.vllm import ONE_PROCESS_ENV
+
+                    result = bench.ours(name, runtime_env={"env_vars": {ONE_PROCESS_ENV: "1"}})
                 elif kind == "ours_stages":
                     result = bench.ours(name, tokenize_stage=True, detokenize_stage=True)
                 elif kind == "plain":
