@@ -201,3 +201,41 @@ def test_a_one_worker_cpu_engine_runs_its_worker_in_the_engine_core_unless_the_u
         spec(runtime_env={"env_vars": {vllm_pipeline.ONE_PROCESS_ENV: "1"}}), "cpu", {}
     )
     assert mine["env_vars"][vllm_pipeline.ONE_PROCESS_ENV] == "1"
+
+
+def test_a_refusal_the_cluster_answers_comes_before_vllm_is_imported(tmp_path):
+    """An accelerator type no node offers fails in the driver before it imports vLLM (seconds of torch
+    and vLLM for nothing). A fresh interpreter, so that vLLM's absence from sys.modules means something."""
+    import subprocess
+    import sys
+    import textwrap
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import ray
+        ray.cluster_resources = lambda: {{"CPU": 2.0, "accelerator_type:L4": 1.0}}
+        from airflow_provider_rayllm.job.engines.vllm import VLLMEngine
+        from airflow_provider_rayllm.job.errors import JobError
+        from airflow_provider_rayllm.spec import parse_spec
+        spec = parse_spec({{
+            "source": {{"uris": "/data/in.jsonl"}},
+            "prompt": {{"prompt_column": "prompt"}},
+            "processor": {{"model_source": {str(model)!r}, "accelerator_type": "A100"}},
+            "sink": {{"uri": "/out/run1"}},
+        }})
+        try:
+            VLLMEngine(spec, "/pkg").check()
+        except JobError as exc:
+            print("refused:", exc)
+        print("vllm imported:", "vllm" in sys.modules)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused: accelerator_type='A100': no node of the Ray cluster offers" in done.stdout, done.stdout
+    assert "the cluster's accelerator types: L4" in done.stdout
+    assert "vllm imported: False" in done.stdout
