@@ -740,8 +740,10 @@ class VLLMEngine(Engine):
         gpus = cluster_gpus()
         self.profile = resolve_profile(p, gpus)
         # What the cluster and the buckets can answer comes first: it needs no vLLM (whose import costs the
-        # driver seconds), so such a refusal is quick. Only the user's tp x pp sizes the placement.
-        check_resources(p, self.profile, placement_for(p, self.profile, p.engine_kwargs), gpus)
+        # driver seconds), so such a refusal is quick. Only the user's tp x pp sizes the placement (the
+        # profile's defaults set neither), so it is known before the engine settings are.
+        self.placement = placement_for(p, self.profile, p.engine_kwargs)
+        check_resources(p, self.profile, self.placement, gpus)
         check_lora_adapters(p.dynamic_lora_loading_path, p.lora_adapters)
         self.labels = model_labels(p.model_source) if p.task_type == "classify" else None
         self.card = probe_gpu(p.accelerator_type) if self.profile == "gpu" else None
@@ -756,7 +758,6 @@ class VLLMEngine(Engine):
                 limits["max_num_batched_tokens"],
             )
         self.engine_kwargs = engine_kwargs_for(p, self.profile, self.card)
-        self.placement = placement_for(p, self.profile, self.engine_kwargs)
         check_parallel(self.profile, self.engine_kwargs, self.placement)
         check_engine_kwargs(p.model_source, self.engine_kwargs)
         self.feed = feed_for(p, self.engine_kwargs)
