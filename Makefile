@@ -1,5 +1,7 @@
 # Two commands for a new user: `make demo` runs the main job on the embedded stack, `make test` the tests.
 VENV ?= .venv
+# pytest-xdist workers for `make test` (tests/conftest.py says how the tests are shared between them).
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 
 .PHONY: setup demo test test-unit bench clean-local
@@ -13,7 +15,8 @@ demo: setup
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest tests -m "not gpu" -v -p no:cacheprovider --timeout=1800 -ra --durations=30
+	$(PY) -m pytest tests -m "not gpu" -v -p no:cacheprovider --timeout=1800 -ra --durations=30 \
+		-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -v -p no:cacheprovider

@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "tests" / "artifacts"
 _HOME = Path(os.environ.get("RAYLLM_TEST_HOME") or tempfile.mkdtemp(prefix="rayllm-tests-"))
 
-os.environ.setdefault("AIRFLOW_HOME", str(_HOME / "airflow"))
+if os.environ.get("PYTEST_XDIST_WORKER") or "AIRFLOW_HOME" not in os.environ:
+    # Each pytest-xdist worker has a home of its own (it would otherwise inherit the controller's).
+    os.environ["AIRFLOW_HOME"] = str(_HOME / "airflow")
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = f"sqlite:///{_HOME / 'airflow' / 'airflow.db'}"
 os.environ["AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST"] = json.dumps(
@@ -42,6 +44,24 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 os.environ.setdefault("NO_GCE_CHECK", "True")
 Path(os.environ["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
+
+
+# `make test` runs two pytest-xdist workers on this machine's two cores: a vLLM job keeps them about 60 % busy
+# (its processes import torch and vLLM one after another, and wait on each other), so a second test beside it
+# fills the rest. Each worker starts its own Ray head, services and Airflow database (the session fixtures).
+# A test module runs whole on one worker, so its module fixtures start once; the modules that use a session
+# fixture that runs a job share one worker, so that job runs once.
+SHARED_SESSION_JOBS = ("quickstart_run",)
+
+
+def pytest_collection_modifyitems(config, items):
+    shared = {item.module.__name__ for item in items if set(SHARED_SESSION_JOBS) & set(item.fixturenames)}
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("shared-session-jobs" if module in shared else module))
+    # Workers take groups in this order (`--no-loadscope-reorder`): the shared group first, being the longest,
+    # then the other integration modules, then the quick unit tests, which even out the two workers' ends.
+    items.sort(key=lambda item: (item.module.__name__ not in shared, "integration" not in item.module.__name__))
 
 
 @pytest.fixture(scope="session")
