@@ -125,6 +125,7 @@ def _sql_job_error(hook, dag_run):
         (2, f"SELECT id, body AS prompt FROM {TABLE} WHERE id < 0", "source: no rows in the query"),
         (3, f"SELECT id, body FROM {TABLE}", "prompt needs column(s) ['prompt'] that the input lacks"),
     ],
+    ids=["missing-table", "no-rows", "no-prompt-column"],  # the same in every worker (TABLE names a process)
 )
 def test_postgres_query_problems_fail_before_any_engine(
     day, sql, expected, ray_conn, airflow_db, smollm2, warehouse, test_home, monkeypatch
