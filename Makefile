@@ -16,7 +16,7 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest tests -m "not gpu" -v -p no:cacheprovider --timeout=1800 -ra --durations=30 \
-		-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+		-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -v -p no:cacheprovider

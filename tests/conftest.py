@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -52,16 +53,40 @@ Path(os.environ["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
 # A test module runs whole on one worker, so its module fixtures start once; the modules that use a session
 # fixture that runs a job share one worker, so that job runs once.
 SHARED_SESSION_JOBS = ("quickstart_run",)
+SHARED_GROUP = "shared-session-jobs"
+
+
+def _sharing_modules() -> set[str]:
+    """Test files (paths from the repository root, as in node ids) that name a shared session job. Read from
+    the source, because pytest-xdist's controller schedules by node id and never sees a test's fixtures."""
+    names = re.compile(r"\b(" + "|".join(SHARED_SESSION_JOBS) + r")\b")
+    return {
+        path.relative_to(REPO).as_posix()
+        for path in (REPO / "tests").rglob("test_*.py")
+        if names.search(path.read_text(encoding="utf-8"))
+    }
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduling by scope, with a test file as the scope and the files that share a session
+    job as one. (Its `--dist loadgroup` marks groups in node ids, which pytest 9.2's node ids no longer take.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    sharing = _sharing_modules()
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_GROUP if path in sharing else path
+
+    return ModuleScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    shared = {item.module.__name__ for item in items if set(SHARED_SESSION_JOBS) & set(item.fixturenames)}
-    for item in items:
-        module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("shared-session-jobs" if module in shared else module))
-    # Workers take groups in this order (`--no-loadscope-reorder`): the shared group first, being the longest,
-    # then the other integration modules, then the quick unit tests, which even out the two workers' ends.
-    items.sort(key=lambda item: (item.module.__name__ not in shared, "integration" not in item.module.__name__))
+    # Workers take scopes in collection order (`--no-loadscope-reorder`): the shared group first, being the
+    # longest, then the other integration modules, then the quick unit tests, which even out the workers' ends.
+    sharing = _sharing_modules()
+    items.sort(key=lambda item: (item.location[0] not in sharing, "integration" not in item.location[0]))
 
 
 @pytest.fixture(scope="session")
