@@ -6,6 +6,7 @@ bundles, no examples) is put in the environment here, before any test module imp
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -56,15 +57,16 @@ SHARED_SESSION_JOBS = ("quickstart_run",)
 SHARED_GROUP = "shared-session-jobs"
 
 
-def _sharing_modules() -> set[str]:
+@functools.cache
+def _sharing_modules() -> frozenset[str]:
     """Test files (paths from the repository root, as in node ids) that name a shared session job. Read from
     the source, because pytest-xdist's controller schedules by node id and never sees a test's fixtures."""
     names = re.compile(r"\b(" + "|".join(SHARED_SESSION_JOBS) + r")\b")
-    return {
+    return frozenset(
         path.relative_to(REPO).as_posix()
         for path in (REPO / "tests").rglob("test_*.py")
         if names.search(path.read_text(encoding="utf-8"))
-    }
+    )
 
 
 def pytest_xdist_make_scheduler(config, log):
