@@ -35,6 +35,7 @@ OBJECT_STORE_BYTES = 512 * 2**20
 # The jobs' object_store_window_mb: the rows in flight may fill this much of the store. Without it, Ray Data's
 # own share of the 512 MiB store applies, which 10^5 short rows never reach but 10^6 do (see the results' notes).
 WINDOW_MB = 16
+SERIES_POINTS = 200  # the object store's use over a job, kept as this many slices (each slice's highest sample)
 PROGRESS_TICKS = 300  # one progress line a minute (the watch samples every 0.2 s)
 _METRIC = re.compile(r"^(?P<name>[a-z_]+)\{(?P<labels>[^}]*)\} (?P<value>[0-9.e+-]+)")
 
@@ -68,6 +69,9 @@ class Watch:
         self.spill_requests_at_start: float | None = None
         self.spill_requests = 0.0
         self.first_output_at: float | None = None
+        # (seconds since the watch began, object store in use MB), one sample a second: the plot's line.
+        self.series: list[tuple[float, float]] = []
+        self._began = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -88,7 +92,9 @@ class Watch:
             m = ray_metrics(self.metrics_port)
         except OSError:
             return
-        self.object_store_mb = max(self.object_store_mb, m.get("ray_object_store_used_memory", 0.0) / 2**20)
+        used = m.get("ray_object_store_used_memory", 0.0) / 2**20
+        self.object_store_mb = max(self.object_store_mb, used)
+        self.series.append((time.time() - self._began, used))
         self.spilled_mb = max(self.spilled_mb, m.get("ray_spill_manager_objects_bytes", 0.0) / 2**20)
         requests = m.get("ray_spill_manager_request_total", 0.0)
         if self.spill_requests_at_start is None:
@@ -107,6 +113,20 @@ class Watch:
             "spilled_mb": round(self.spilled_mb, 1),
             "output_files": sum(1 for _ in self.output_uri.glob("_generations/*/outputs/part-*")),
         }
+
+    def object_store_series(self, job_start: float, points: int = SERIES_POINTS) -> list[list[float]]:
+        """The object store's use over the job, as at most `points` (seconds after the job's start, MB) pairs:
+        the highest sample of each equal slice of the job, so no peak is smoothed away."""
+        samples = [(self._began + t - job_start, mb) for t, mb in self.series]
+        if not samples:
+            return []
+        span = max(samples[-1][0] - samples[0][0], 1e-9)
+        slices: dict[int, tuple[float, float]] = {}
+        for t, mb in samples:
+            k = min(int((t - samples[0][0]) / span * points), points - 1)
+            if k not in slices or mb > slices[k][1]:
+                slices[k] = (t, mb)
+        return [[round(t, 1), round(mb, 2)] for t, mb in (slices[k] for k in sorted(slices))]
 
     def _run(self) -> None:
         import psutil
@@ -241,10 +261,11 @@ def main() -> int:
                     "first_output_s": None if watch.first_output_at is None else watch.first_output_at - job_start,
                     "first_output_s_manifest": manifest.get("first_output_s"),
                     "output_files": len(manifest["output_files"]),
+                    "object_store_series": watch.object_store_series(job_start),
                     "run": run,
                 }
                 points.append(point)
-                print(json.dumps(point), flush=True)
+                print(json.dumps({k: v for k, v in point.items() if k != "object_store_series"}), flush=True)
     finally:
         cluster.stop()
 
