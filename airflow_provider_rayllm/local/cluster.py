@@ -26,6 +26,12 @@ DEFAULT_STATE_DIR = Path(
     os.environ.get("RAYLLM_LOCAL_DIR", Path.home() / ".cache" / "airflow_provider_rayllm" / "local")
 )
 
+# Idle task workers a raylet keeps. Ray's default is one per CPU: on this 2-CPU head a streaming job's tasks
+# (read, requests, repartition, progress tap, write) run beside the engine's actors in more processes than
+# that, so the raylet killed the idle ones a second later and started new ones for the next tasks, a worker
+# process every 10 s or so, each paying its Python and Ray imports again.
+IDLE_WORKERS = 8
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -153,6 +159,7 @@ class LocalRayCluster:
         env["RAY_AUTH_TOKEN_PATH"] = str(self.state_dir / "auth_token")
         env.pop("RAY_AUTH_TOKEN", None)
         env["RAY_USAGE_STATS_ENABLED"] = "0"
+        env["RAY_num_workers_soft_limit"] = str(IDLE_WORKERS)
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
         # Jobs on the embedded stack use the same interpreter and packages as this process.
         env["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
