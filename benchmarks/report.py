@@ -145,7 +145,9 @@ def plot_scale(scale: dict) -> None:
     plt = _plt()
     points = scale["scale"]
     rows = [p["rows"] for p in points]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
+    series = [p for p in points if p.get("object_store_series")]
+    fig, axes = plt.subplots(1, 3 if series else 2, figsize=(15 if series else 10, 3.2))
+    ax1, ax2 = axes[0], axes[1]
     ax1.plot(rows, [p["rows_per_s"] for p in points], marker="o", color="#2b6cb0")
     ax1.set_xscale("log")
     ax1.set_ylim(bottom=0)
@@ -160,6 +162,20 @@ def plot_scale(scale: dict) -> None:
     ax2.set_ylabel("peak RSS, MB")
     ax2.legend(fontsize=8)
     ax2.set_title("memory by job size")
+    if series:
+        # Each job's own time axis, as a share of that job: a streaming job's line stays in one band whatever
+        # its size; a job that held its input would climb with it.
+        ax3 = axes[2]
+        for p in series:
+            job_s = p["job_s"]
+            xs = [t / job_s * 100 for t, _ in p["object_store_series"] if 0 <= t <= job_s]
+            ys = [mb for t, mb in p["object_store_series"] if 0 <= t <= job_s]
+            ax3.step(xs, ys, where="post", label=f"{p['rows']:,} rows ({job_s:.0f} s)")
+        ax3.set_ylim(bottom=0)
+        ax3.set_xlabel("share of the job's time, %")
+        ax3.set_ylabel("object store in use, MB")
+        ax3.legend(fontsize=8)
+        ax3.set_title("object store over each job (Ray's metric)")
     fig.tight_layout()
     IMG.mkdir(parents=True, exist_ok=True)
     fig.savefig(IMG / "scale.png", dpi=120)

@@ -162,6 +162,25 @@ class Watch:
         self._thread.join()
 
 
+def worker_processes(dashboard_url: str, token: str, start_ms: float, end_ms: float) -> int | None:
+    """How many worker processes Ray started while the job ran (alive or gone), from Ray's state API; the
+    bench's cluster runs one job at a time. A raylet that kills idle workers and starts new ones for the next
+    tasks shows here as a count that grows with the job's length."""
+    request = urllib.request.Request(
+        f"{dashboard_url}/api/v0/workers?limit=10000&detail=1", headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            workers = json.loads(resp.read())["data"]["result"]["result"]
+    except (OSError, KeyError, ValueError):
+        return None
+    return sum(
+        1
+        for w in workers
+        if w.get("worker_type") == "WORKER" and start_ms <= (w.get("worker_launch_time_ms") or 0) <= end_ms
+    )
+
+
 def git_commit() -> str | None:
     import subprocess
 
@@ -265,6 +284,9 @@ def main() -> int:
                     "first_output_s": None if watch.first_output_at is None else watch.first_output_at - job_start,
                     "first_output_s_manifest": manifest.get("first_output_s"),
                     "output_files": len(manifest["output_files"]),
+                    "worker_processes": worker_processes(
+                        info.dashboard_url, info.token, float(job["start_time"]), float(job["end_time"])
+                    ),
                     "object_store_series": watch.object_store_series(job_start),
                     "run": run,
                 }
