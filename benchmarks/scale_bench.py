@@ -75,6 +75,8 @@ class Watch:
         self.first_output_at: float | None = None
         # (seconds since the watch began, object store in use MB), one sample per scrape: the plot's line.
         self.series: list[tuple[float, float]] = []
+        # (seconds since the watch began, output files on disk), at the same scrapes: the job's pace over time.
+        self.files: list[tuple[float, int]] = []
         self._began = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -99,6 +101,9 @@ class Watch:
         used = m.get("ray_object_store_used_memory", 0.0) / 2**20
         self.object_store_mb = max(self.object_store_mb, used)
         self.series.append((time.time() - self._began, used))
+        self.files.append(
+            (time.time() - self._began, sum(1 for _ in self.output_uri.glob("_generations/*/outputs/part-*")))
+        )
         self.spilled_mb = max(self.spilled_mb, m.get("ray_spill_manager_objects_bytes", 0.0) / 2**20)
         requests = m.get("ray_spill_manager_request_total", 0.0)
         if self.spill_requests_at_start is None:
@@ -131,6 +136,12 @@ class Watch:
             if k not in slices or mb > slices[k][1]:
                 slices[k] = (t, mb)
         return [[round(t, 1), round(mb, 2)] for t, mb in (slices[k] for k in sorted(slices))]
+
+    def output_files_series(self, job_start: float, points: int = SERIES_POINTS) -> list[list[float]]:
+        """Output files on disk over the job, at most `points` evenly spaced (seconds after the job's start,
+        files) pairs: a pace that fell as the job went on shows as a bending line."""
+        step = max(1, len(self.files) // points)
+        return [[round(self._began + t - job_start, 1), n] for t, n in self.files[::step]]
 
     def _run(self) -> None:
         import psutil
@@ -238,11 +249,13 @@ def main() -> int:
     metrics_port = info.ports[5]
     points = []
     try:
-        with echo_server(0.0, LOG_DIR) as url:
-            os.environ["AIRFLOW_CONN_RAY_SCALE"] = info.airflow_conn_uri()
-            os.environ["AIRFLOW_CONN_LLM_SCALE"] = json.dumps({"conn_type": "http", "host": f"{url}/v1"})
-            hook = RayJobHook(ray_conn_id="ray_scale")
-            for n in sizes:
+        os.environ["AIRFLOW_CONN_RAY_SCALE"] = info.airflow_conn_uri()
+        hook = RayJobHook(ray_conn_id="ray_scale")
+        for n in sizes:
+            # A fresh endpoint for each size, keeping no count per prompt: the server carries nothing from one
+            # size to the next, nor grows with the rows it answered.
+            with echo_server(0.0, LOG_DIR, count=False) as url:
+                os.environ["AIRFLOW_CONN_LLM_SCALE"] = json.dumps({"conn_type": "http", "host": f"{url}/v1"})
                 input_uri = write_rows(home / "in" / f"{n}.parquet", n)
                 output_uri = home / "out" / str(n)
                 op = HttpLLMBatchOperator(
@@ -288,10 +301,11 @@ def main() -> int:
                         info.dashboard_url, info.token, float(job["start_time"]), float(job["end_time"])
                     ),
                     "object_store_series": watch.object_store_series(job_start),
+                    "output_files_series": watch.output_files_series(job_start),
                     "run": run,
                 }
                 points.append(point)
-                print(json.dumps({k: v for k, v in point.items() if k != "object_store_series"}), flush=True)
+                print(json.dumps({k: v for k, v in point.items() if not k.endswith("_series")}), flush=True)
     finally:
         cluster.stop()
 

@@ -1,7 +1,8 @@
 """An OpenAI-style chat endpoint that answers every request after DELAY seconds.
 
-Run as `python echo_server.py PORT DELAY`. GET /stats returns how many requests each prompt got, so a
-test can tell a re-sent request (fine) from a duplicated output row (not fine). POST /fail {"status": 400}
+Run as `python echo_server.py PORT DELAY [nocount]`. GET /stats returns how many requests each prompt got, so a
+test can tell a re-sent request (fine) from a duplicated output row (not fine); `nocount` keeps no count (a
+benchmark's millions of prompts would otherwise grow the server's memory with the run). POST /fail {"status": 400}
 makes every later request fail with that status until POST /fail {"status": 0}.
 """
 
@@ -12,6 +13,7 @@ import sys
 from aiohttp import web
 
 PORT, DELAY = int(sys.argv[1]), float(sys.argv[2])
+COUNT = sys.argv[3:] != ["nocount"]
 REQUESTS: collections.Counter = collections.Counter()
 FAIL = {"status": 0}
 
@@ -19,7 +21,8 @@ FAIL = {"status": 0}
 async def chat(request: web.Request) -> web.Response:
     body = await request.json()
     text = body["messages"][-1]["content"]
-    REQUESTS[text] += 1
+    if COUNT:
+        REQUESTS[text] += 1
     await asyncio.sleep(DELAY)
     if FAIL["status"]:
         return web.json_response({"error": {"message": "refused by the test"}}, status=FAIL["status"])

@@ -160,13 +160,13 @@ def authorized_user_keyfile(token_uri: str, revoked: bool = False) -> dict[str, 
 
 
 @contextmanager
-def echo_server(delay_s: float, log_dir: Path) -> Iterator[str]:
-    """A chat endpoint that echoes each prompt after ``delay_s``; GET /stats counts requests per prompt."""
+def echo_server(delay_s: float, log_dir: Path, count: bool = True) -> Iterator[str]:
+    """A chat endpoint that echoes each prompt after ``delay_s``; GET /stats counts requests per prompt
+    (unless ``count`` is False)."""
     port = free_port()
     script = Path(__file__).with_name("echo_server.py")
-    with _process(
-        [sys.executable, str(script), str(port), str(delay_s)], f"http://127.0.0.1:{port}/stats", log_dir / "echo.log"
-    ):
+    cmd = [sys.executable, str(script), str(port), str(delay_s), *([] if count else ["nocount"])]
+    with _process(cmd, f"http://127.0.0.1:{port}/stats", log_dir / "echo.log"):
         yield f"http://127.0.0.1:{port}"
 
 
