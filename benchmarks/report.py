@@ -340,7 +340,7 @@ _SCALE_COLUMNS = [
         lambda p: "-" if p.get("first_output_s") is None else f"{p['first_output_s']:.1f}",
         True,
     ),
-    ("object store peak MB", lambda p: f"{p['object_store_peak_mb']:.0f}", True),
+    ("object store peak MB", lambda p: f"{p['object_store_peak_mb']:.1f}", True),
     ("spilled MB", lambda p: f"{p['spilled_mb']:.0f}", True),
     ("driver peak MB", lambda p: f"{p['driver_peak_mb']:.0f}", False),
     ("Airflow worker peak MB", lambda p: f"{p['worker_peak_mb']:.0f}", False),
@@ -355,6 +355,8 @@ def _run_of(p: dict) -> str:
 def _scale_table(points: list[dict]) -> str:
     streamed = all("object_store_peak_mb" in p for p in points)
     columns = [(head, cell) for head, cell, needs_stream in _SCALE_COLUMNS if streamed or not needs_stream]
+    if all(p.get("worker_processes") is not None for p in points):
+        columns.append(("Ray worker processes started", lambda p: str(p["worker_processes"])))
     if any(p.get("run") for p in points):  # sizes from more than one run: say which run measured each
         columns.append(("run (start, commit)", _run_of))
     lines = ["| " + " | ".join(head for head, _ in columns) + " |", "|" + "---|" * len(columns)]
