@@ -25,6 +25,7 @@ import time
 import urllib.request
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -100,15 +101,17 @@ class Watch:
             return
         used = m.get("ray_object_store_used_memory", 0.0) / 2**20
         self.object_store_mb = max(self.object_store_mb, used)
-        self.series.append((time.time() - self._began, used))
-        self.files.append(
-            (time.time() - self._began, sum(1 for _ in self.output_uri.glob("_generations/*/outputs/part-*")))
-        )
+        at = time.time() - self._began
+        self.series.append((at, used))
+        self.files.append((at, self._output_files()))
         self.spilled_mb = max(self.spilled_mb, m.get("ray_spill_manager_objects_bytes", 0.0) / 2**20)
         requests = m.get("ray_spill_manager_request_total", 0.0)
         if self.spill_requests_at_start is None:
             self.spill_requests_at_start = requests
         self.spill_requests = requests - self.spill_requests_at_start
+
+    def _output_files(self) -> int:
+        return sum(1 for _ in self.output_uri.glob("_generations/*/outputs/part-*"))
 
     def _sample_outputs(self) -> None:
         if self.first_output_at is None and any(self.output_uri.glob("_generations/*/outputs/part-*")):
@@ -120,7 +123,7 @@ class Watch:
             "worker_peak_mb": round(self.worker_mb, 1),
             "object_store_peak_mb": round(self.object_store_mb, 1),
             "spilled_mb": round(self.spilled_mb, 1),
-            "output_files": sum(1 for _ in self.output_uri.glob("_generations/*/outputs/part-*")),
+            "output_files": self._output_files(),
         }
 
     def object_store_series(self, job_start: float, points: int = SERIES_POINTS) -> list[list[float]]:
@@ -173,21 +176,15 @@ class Watch:
         self._thread.join()
 
 
-def worker_processes(dashboard_url: str, token: str, start_ms: float, end_ms: float) -> int | None:
+def worker_processes(info: Any, start_ms: float, end_ms: float) -> int:
     """How many worker processes Ray started while the job ran (alive or gone), from Ray's state API; the
     bench's cluster runs one job at a time. A raylet that kills idle workers and starts new ones for the next
     tasks shows here as a count that grows with the job's length."""
-    request = urllib.request.Request(
-        f"{dashboard_url}/api/v0/workers?limit=10000&detail=1", headers={"Authorization": f"Bearer {token}"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            workers = json.loads(resp.read())["data"]["result"]["result"]
-    except (OSError, KeyError, ValueError):
-        return None
+    from airflow_provider_rayllm.local.cluster import LocalRayCluster
+
     return sum(
         1
-        for w in workers
+        for w in LocalRayCluster.state_list(info, "workers", timeout=30)
         if w.get("worker_type") == "WORKER" and start_ms <= (w.get("worker_launch_time_ms") or 0) <= end_ms
     )
 
@@ -297,9 +294,7 @@ def main() -> int:
                     "first_output_s": None if watch.first_output_at is None else watch.first_output_at - job_start,
                     "first_output_s_manifest": manifest.get("first_output_s"),
                     "output_files": len(manifest["output_files"]),
-                    "worker_processes": worker_processes(
-                        info.dashboard_url, info.token, float(job["start_time"]), float(job["end_time"])
-                    ),
+                    "worker_processes": worker_processes(info, float(job["start_time"]), float(job["end_time"])),
                     "object_store_series": watch.object_store_series(job_start),
                     "output_files_series": watch.output_files_series(job_start),
                     "run": run,

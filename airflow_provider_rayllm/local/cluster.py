@@ -131,17 +131,22 @@ class LocalRayCluster:
         return node
 
     @staticmethod
-    def alive_nodes(info: ClusterInfo) -> list[dict]:
-        """The cluster's live nodes as Ray's state API lists them (node id, resources, head or not)."""
+    def state_list(info: ClusterInfo, resource: str, timeout: float = 10) -> list[dict]:
+        """One of Ray's state API listings (`nodes`, `workers`, ...) in detail, or [] when the head does not answer."""
         request = urllib.request.Request(
-            f"{info.dashboard_url}/api/v0/nodes?detail=1&limit=1000", headers={"Authorization": f"Bearer {info.token}"}
+            f"{info.dashboard_url}/api/v0/{resource}?detail=1&limit=10000",
+            headers={"Authorization": f"Bearer {info.token}"},
         )
         try:
-            with urllib.request.urlopen(request, timeout=10) as resp:
-                nodes = json.loads(resp.read())["data"]["result"]["result"]
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
+                return list(json.loads(resp.read())["data"]["result"]["result"])
         except (urllib.error.URLError, OSError, KeyError, ValueError):
             return []
-        return [n for n in nodes if n.get("state") == "ALIVE"]
+
+    @classmethod
+    def alive_nodes(cls, info: ClusterInfo) -> list[dict]:
+        """The cluster's live nodes as Ray's state API lists them (node id, resources, head or not)."""
+        return [n for n in cls.state_list(info, "nodes") if n.get("state") == "ALIVE"]
 
     @property
     def info_file(self) -> Path:
