@@ -135,7 +135,15 @@ def quickstart_run(ray_conn, airflow_db, smollm2) -> dict:
     """dags_examples/example_vllm_batch.py as shipped, once per session (one engine start): the guide's
     quickstart test checks it, and the bucket-model tests compare their answers with it (hence the
     reproducible engine settings)."""
-    from tests.integration.helpers import REPRODUCIBLE_ENGINE, load_dag, read_rows, task_state, utc, xcom
+    from tests.integration.helpers import (
+        REPRODUCIBLE_ENGINE,
+        load_dag,
+        ray_jobs_report,
+        read_rows,
+        task_state,
+        utc,
+        xcom,
+    )
 
     dag = load_dag("dags_examples", "example_vllm_batch", "example_vllm_batch")
     conf = {"model_source": str(smollm2), "max_tokens": 24, "engine_kwargs": REPRODUCIBLE_ENGINE}
@@ -146,7 +154,9 @@ def quickstart_run(ray_conn, airflow_db, smollm2) -> dict:
         else None
     )
     rows = read_rows(manifest["output_files"]) if manifest else []
-    return {"dag_run": dag_run, "state": task_state(dag_run, "answer"), "manifest": manifest, "rows": rows}
+    state = task_state(dag_run, "answer")
+    why = "" if state == "success" else ray_jobs_report(dag_run.run_id)  # for the tests' assertion messages
+    return {"dag_run": dag_run, "state": state, "why": why, "manifest": manifest, "rows": rows}
 
 
 @pytest.fixture(scope="session")

@@ -81,6 +81,37 @@ def task_state(dag_run: Any, task_id: str) -> str:
     return str(dag_run.get_task_instance(task_id).state)
 
 
+def assert_succeeded(dag_run: Any, *task_ids: str, context: str = "") -> None:
+    """Each task succeeded; if one did not, the failure names why: the state of every task asked for and,
+    for each Ray job of the run, its status, message and the end of its log (a CI summary keeps only the
+    assertion, not the task's captured log)."""
+    states = {task_id: task_state(dag_run, task_id) for task_id in task_ids}
+    if all(state == "success" for state in states.values()):
+        return
+    raise AssertionError(f"{context} tasks {states}\n" + ray_jobs_report(dag_run.run_id))
+
+
+def ray_jobs_report(run_id: str, tail: int = 25) -> str:
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    try:
+        hook = RayJobHook()
+        jobs = jobs_of_run(hook, run_id)
+    except Exception as exc:  # the report must not hide the assertion it explains
+        return f"(the Ray jobs could not be listed: {exc!r})"
+    parts = [f"{len(jobs)} Ray job(s) for run {run_id}"]
+    for job in jobs:
+        message = (job.message or "").splitlines()[:1]  # Ray's message repeats the log's end after its line
+        parts.append(f"--- {job.submission_id}: {job.status} {' '.join(message)}".rstrip())
+        try:
+            lines = hook.get_job_logs(job.submission_id).splitlines()
+        except Exception as exc:
+            lines = [f"(no log: {exc!r})"]
+        errors = [line for line in lines[:-tail] if line.startswith("RAYLLM_ERROR") or "Error" in line]
+        parts.extend(errors[-10:] + lines[-tail:])
+    return "\n".join(parts)
+
+
 def jobs_with_prefix(hook: Any, prefix: str) -> list[dict[str, Any]]:
     return [
         j.dict() if hasattr(j, "dict") else j

@@ -45,7 +45,7 @@ def _airflow(*args: str, env: dict) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def finished_run(quickstart_run):
     """The shipped quickstart DAG's finished run (shared with the other tests), with its Ray job link."""
-    assert quickstart_run["state"] == "success"
+    assert quickstart_run["state"] == "success", quickstart_run["why"]
     dag_run = quickstart_run["dag_run"]
     return {
         "dag_id": dag_run.dag_id,

@@ -15,11 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.integration.helpers import (
+    assert_succeeded,
     echo_connection,
     echo_operator,
     leaked_into_ray_logs,
     load_dag,
-    task_state,
     utc,
     xcom,
 )
@@ -96,7 +96,7 @@ def bucket_run(ray_conn, airflow_db, smollm2, buckets):
 
 def test_gcs_in_s3_out_with_connection_credentials(bucket_run, buckets):
     dag_run = bucket_run["dag_run"]
-    assert task_state(dag_run, "generate") == "success"
+    assert_succeeded(dag_run, "generate")
     manifest = xcom(dag_run.dag_id, dag_run.run_id, "generate", "return_value")
     assert manifest["rows_in"] == manifest["rows_out"] == len(QUESTIONS)
     assert all(f["uri"].startswith("s3://answers/runs/2026-05-01/_generations/") for f in manifest["output_files"])

@@ -7,7 +7,14 @@ import re
 
 import pytest
 
-from tests.integration.helpers import check_demo_embeddings, load_dag, read_rows, task_state, utc, xcom
+from tests.integration.helpers import (
+    assert_succeeded,
+    check_demo_embeddings,
+    load_dag,
+    read_rows,
+    utc,
+    xcom,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -17,7 +24,7 @@ def _run(name: str, task_id: str, conf: dict, day: int, folder: str = "dags_exam
     dag = load_dag(folder, file or name, name)
     month = 8 if folder == "dags_examples" else 11  # a date of its own per DAG file, so runs never collide
     dag_run = dag.test(logical_date=utc(2026, month, day), run_after=utc(2026, month, day), run_conf=conf)
-    assert task_state(dag_run, task_id) == "success"
+    assert_succeeded(dag_run, task_id)
     return xcom(dag.dag_id, dag_run.run_id, task_id, "return_value")
 
 
@@ -162,7 +169,7 @@ def test_the_memory_faq_levers_reach_the_engine(quickstart_run):
     from tests.integration.helpers import REPRODUCIBLE_ENGINE
 
     manifest = quickstart_run["manifest"]
-    assert quickstart_run["state"] == "success" and manifest["rows_errored"] == 0
+    assert quickstart_run["state"] == "success" and manifest["rows_errored"] == 0, quickstart_run["why"]
     assert {k: manifest["engine_kwargs"][k] for k in REPRODUCIBLE_ENGINE} == REPRODUCIBLE_ENGINE
     logs = RayJobHook().get_job_logs(manifest["submission_id"])
     # vLLM's own start-up lines, as the engine read the settings.

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import leaked_into_ray_logs, load_dag, read_rows, task_state, utc, write_jsonl, xcom
+from tests.integration.helpers import (
+    assert_succeeded,
+    leaked_into_ray_logs,
+    load_dag,
+    read_rows,
+    utc,
+    write_jsonl,
+    xcom,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +57,7 @@ def test_hf_token_from_a_connection_opens_a_gated_hub_and_shows_nowhere(
         task_output = capfd.readouterr()
         requests = [json.loads(line) for line in Path(requests_log).read_text().splitlines()]
 
-    assert task_state(dag_run, "generate") == "success"
+    assert_succeeded(dag_run, "generate")
     manifest = xcom(dag_run.dag_id, dag_run.run_id, "generate", "return_value")
     assert manifest["model"] == REPO_ID and manifest["rows_out"] == 2
     assert all(r["response"].strip() for r in read_rows(manifest["output_files"]))

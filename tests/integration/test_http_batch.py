@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from tests.integration.helpers import load_dag, read_rows, task_state, utc, write_jsonl, xcom
+from tests.integration.helpers import assert_succeeded, load_dag, read_rows, utc, write_jsonl, xcom
 from tests.integration.services import storm_server, vllm_openai_server
 
 pytestmark = pytest.mark.integration
@@ -40,7 +40,7 @@ def test_answers_every_row_with_usage_and_cost(ray_conn, airflow_db, vllm_endpoi
     dag = load_dag("tests/dags", "rayllm_it", "rayllm_it_http")
     conf = {"input_uri": input_uri, "output_uri": str(test_home / "out" / "http"), "max_in_flight": 16}
     dag_run = dag.test(logical_date=utc(2026, 9, 1), run_after=utc(2026, 9, 1), run_conf=conf)
-    assert task_state(dag_run, "call") == "success"
+    assert_succeeded(dag_run, "call")
     manifest = xcom(dag.dag_id, dag_run.run_id, "call", "return_value")
     assert manifest["kind"] == "http" and manifest["rows_in"] == manifest["rows_out"] == 16
     rows = read_rows(manifest["output_files"])
@@ -65,7 +65,7 @@ def test_the_guides_openai_block_as_written(ray_conn, airflow_db, vllm_endpoint,
     )
     dag = load_dag("tests/dags", "guide_blocks", "guide_openai_endpoint")
     dag_run = dag.test(logical_date=utc(2026, 9, 3), run_after=utc(2026, 9, 3), run_conf={})
-    assert task_state(dag_run, "processor") == "success"
+    assert_succeeded(dag_run, "processor")
     manifest = xcom(dag.dag_id, dag_run.run_id, "processor", "return_value")
     assert manifest["rows_in"] == manifest["rows_out"] == 1 and manifest["rows_errored"] == 0
     (row,) = read_rows(manifest["output_files"])
@@ -87,7 +87,7 @@ def test_a_429_storm_loses_no_row_and_keeps_under_the_qps_cap(
         dag_run = dag.test(logical_date=utc(2026, 9, 2), run_after=utc(2026, 9, 2), run_conf=conf)
         with urllib.request.urlopen(f"{url}/stats") as resp:
             stats = json.loads(resp.read())
-    assert task_state(dag_run, "call") == "success"
+    assert_succeeded(dag_run, "call")
     manifest = xcom(dag.dag_id, dag_run.run_id, "call", "return_value")
     assert manifest["rows_out"] == 60 and manifest["rows_errored"] == 0
     out = read_rows(manifest["output_files"])

@@ -12,7 +12,15 @@ import shutil
 
 import pytest
 
-from tests.integration.helpers import REPRODUCIBLE_ENGINE, StandInTI, load_dag, read_rows, task_state, utc, xcom
+from tests.integration.helpers import (
+    REPRODUCIBLE_ENGINE,
+    StandInTI,
+    assert_succeeded,
+    load_dag,
+    read_rows,
+    utc,
+    xcom,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -139,7 +147,7 @@ QUICKSTART = dict(
 @pytest.fixture(scope="module")
 def local_answers(quickstart_run):
     """The quickstart's answers with the model read from its local folder: what every bucket must reproduce."""
-    assert quickstart_run["state"] == "success"
+    assert quickstart_run["state"] == "success", quickstart_run["why"]
     return {r["id"]: r["response"] for r in quickstart_run["rows"]}
 
 
@@ -182,7 +190,7 @@ def test_upload_then_infer_from_the_bucket_matches_the_local_folder(ray_conn, ai
         "engine_kwargs": REPRODUCIBLE_ENGINE,
     }
     dag_run = dag.test(logical_date=date, run_after=date, run_conf=conf)
-    assert task_state(dag_run, "upload") == "success" and task_state(dag_run, "answer") == "success"
+    assert_succeeded(dag_run, "upload", "answer")
     from_bucket = xcom(dag.dag_id, dag_run.run_id, "answer", "return_value")
     assert from_bucket["model"] == "s3://models/chain"
     bucket_answers = {r["id"]: r["response"] for r in read_rows(from_bucket["output_files"])}

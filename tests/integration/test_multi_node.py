@@ -14,7 +14,16 @@ import urllib.request
 
 import pytest
 
-from tests.integration.helpers import check_demo_embeddings, jobs_of_run, load_dag, read_rows, task_state, utc, xcom
+from tests.integration.helpers import (
+    assert_succeeded,
+    check_demo_embeddings,
+    jobs_of_run,
+    load_dag,
+    read_rows,
+    task_state,
+    utc,
+    xcom,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -99,7 +108,7 @@ def test_a_pipeline_parallel_engine_runs_on_the_node_its_placement_asks_for(mult
     }
     dag = load_dag("dags_examples", "example_model_parallel", "example_model_parallel")
     dag_run = dag.test(logical_date=utc(2026, 10, 1), run_after=utc(2026, 10, 1), run_conf=conf)
-    assert task_state(dag_run, "answer") == "success"
+    assert_succeeded(dag_run, "answer")
     manifest = xcom(dag.dag_id, dag_run.run_id, "answer", "return_value")
     assert manifest["rows_in"] == manifest["rows_out"] == 16 and manifest["rows_errored"] == 0
     engine = manifest["engine_kwargs"]
@@ -138,7 +147,7 @@ def test_tensor_parallel_replicas_run_one_per_worker_node_and_embed_right(multi_
         "placement_group_config": {"bundles": [{"CPU": 0.5, "rayllm_engine_node": 0.5}] * 2, "strategy": "STRICT_PACK"},
     }
     dag_run = dag.test(logical_date=utc(2026, 10, 3), run_after=utc(2026, 10, 3), run_conf=conf)
-    assert task_state(dag_run, "embed") == "success"
+    assert_succeeded(dag_run, "embed")
     manifest = xcom(dag.dag_id, dag_run.run_id, "embed", "return_value")
     assert (
         manifest["engine_kwargs"]["tensor_parallel_size"],
@@ -185,7 +194,7 @@ def test_the_guides_cross_node_settings_on_gpus(test_home, airflow_db):
             "concurrency": 1,
         }
         dag_run = dag.test(logical_date=utc(2026, 10, 2), run_after=utc(2026, 10, 2), run_conf=conf)
-        assert task_state(dag_run, "answer") == "success"
+        assert_succeeded(dag_run, "answer")
         manifest = xcom(dag.dag_id, dag_run.run_id, "answer", "return_value")
         assert manifest["rows_out"] == 16 and manifest["resource_profile"] == "gpu"
     finally:

@@ -20,13 +20,13 @@ import pytest
 from tests.integration.helpers import (
     ClearedRun,
     StandInTI,
+    assert_succeeded,
     echo_connection,
     echo_operator,
     load_dag,
     read_rows,
     record_figure,
     run_in_thread,
-    task_state,
     utc,
     wait_for,
     write_jsonl,
@@ -300,7 +300,7 @@ def test_a_20_second_dashboard_outage_is_waited_out_by_the_deferred_task(
         cutter.join(timeout=60)
         proxy.close()
     assert "error" not in outage and outage.get("seconds", 0) >= 20, outage
-    assert task_state(dag_run, "call") == "success"
+    assert_succeeded(dag_run, "call")
     manifest = xcom(dag.dag_id, dag_run.run_id, "call", "return_value")
     assert manifest["rows_out"] == n and manifest["rows_errored"] == 0
     # The job finished while the dashboard was out of reach only if it ended after the outage began.

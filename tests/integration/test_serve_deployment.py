@@ -11,7 +11,16 @@ import sys
 
 import pytest
 
-from tests.integration.helpers import jobs_of_run, load_dag, ray_driver_env, read_rows, task_state, utc, xcom
+from tests.integration.helpers import (
+    assert_succeeded,
+    jobs_of_run,
+    load_dag,
+    ray_driver_env,
+    read_rows,
+    task_state,
+    utc,
+    xcom,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -71,8 +80,8 @@ def test_two_chained_tasks_share_the_serve_deployment(serve_app, airflow_db, tes
     dag_run = dag.test(
         logical_date=utc(2026, 8, 20), run_after=utc(2026, 8, 20), run_conf={**CONF, "input_uri": input_uri}
     )
-    assert task_state(dag_run, "first_turn") == "success"
-    assert task_state(dag_run, "second_turn") == "success"
+    assert_succeeded(dag_run, "first_turn")
+    assert_succeeded(dag_run, "second_turn")
     first = xcom(dag.dag_id, dag_run.run_id, "first_turn", "return_value")
     second = xcom(dag.dag_id, dag_run.run_id, "second_turn", "return_value")
     assert first["kind"] == second["kind"] == "serve"
@@ -113,7 +122,7 @@ def test_the_guides_chained_processors_as_written(serve_app, airflow_db):
     postprocess unchanged (completions requests with dtype CompletionRequest), on ray.data.range(10)'s rows."""
     dag = load_dag("tests/dags", "guide_blocks", "guide_serve_chain")
     dag_run = dag.test(logical_date=utc(2026, 8, 22), run_after=utc(2026, 8, 22), run_conf={})
-    assert task_state(dag_run, "processor1") == "success" and task_state(dag_run, "processor2") == "success"
+    assert_succeeded(dag_run, "processor1", "processor2")
     first = xcom(dag.dag_id, dag_run.run_id, "processor1", "return_value")
     second = xcom(dag.dag_id, dag_run.run_id, "processor2", "return_value")
     assert first["rows_in"] == first["rows_out"] == 10 and first["rows_errored"] == 0

@@ -15,6 +15,7 @@ import pytest
 
 from tests.integration.helpers import (
     StandInTI,
+    assert_succeeded,
     delete_runs,
     jobs_of_run,
     jobs_with_prefix,
@@ -66,7 +67,7 @@ def deferred_run(ray_conn, airflow_db, smollm2, test_home):
 
 def test_deferred_run_answers_every_good_row_and_reports_bad_rows(deferred_run):
     dag_run = deferred_run["dag_run"]
-    assert task_state(dag_run, "generate") == "success"
+    assert_succeeded(dag_run, "generate")
     manifest = xcom(dag_run.dag_id, dag_run.run_id, "generate", "return_value")
     assert manifest["rows_in"] == 8
     assert manifest["rows_out"] == 6
@@ -149,7 +150,7 @@ def test_same_task_instance_again_creates_no_second_job(deferred_run, hook):
     started = time.time()
     again = dag.test(logical_date=DEFERRED_DATE, run_after=DEFERRED_DATE, run_conf=conf)
     assert time.time() - started < deferred_run["seconds"]
-    assert task_state(again, "generate") == "success"
+    assert_succeeded(again, "generate")
     assert again.run_id == deferred_run["dag_run"].run_id
     second = xcom(dag.dag_id, again.run_id, "generate", "return_value")
     assert second["submission_id"] == first["submission_id"]
@@ -158,7 +159,7 @@ def test_same_task_instance_again_creates_no_second_job(deferred_run, hook):
 
 def test_example_dag_runs_the_guides_quickstart(quickstart_run, ray_conn):
     """dags_examples/example_vllm_batch.py as shipped; output under the connection's output_base."""
-    assert quickstart_run["state"] == "success"
+    assert quickstart_run["state"] == "success", quickstart_run["why"]
     manifest = quickstart_run["manifest"]
     assert manifest["rows_in"] == manifest["rows_out"] == 16
     assert manifest["rows_errored"] == 0
@@ -188,7 +189,7 @@ def _failed_job(hook, dag, conf, date):
 
 def test_load_format_reaches_the_engine(quickstart_run, hook):
     """The guide's model-loading section: load_format reaches the engine as given (REPRODUCIBLE_ENGINE has it)."""
-    assert quickstart_run["state"] == "success"
+    assert quickstart_run["state"] == "success", quickstart_run["why"]
     logs = hook.get_job_logs(quickstart_run["manifest"]["submission_id"])
     assert "load_format=safetensors" in logs, "vLLM's engine config line should show the load_format the task asked for"
 

@@ -1,7 +1,8 @@
 """Warehouse in, bucket out: PostgreSQL (the server on this machine) and SQLite, answers to S3 (moto).
 
-The shipped example DAG is backfilled over two logical dates (two engine runs), then one date is
-rerun with changed settings (a third): outputs stay disjoint per date and the rerun replaces its own.
+The shipped example DAG runs for one logical date over a table that holds the days before and after too:
+its query takes only its own date's rows, and the answers land under that date's prefix. (Backfills over
+several dates, disjoint per date and replaced on a rerun, are test_backfill.py's, on a real scheduler.)
 Query errors, missing tables and empty results fail before any engine starts.
 """
 
@@ -15,12 +16,13 @@ import sqlite3
 import pyarrow.parquet as pq
 import pytest
 
-from tests.integration.helpers import jobs_of_run, load_dag, task_state, utc, xcom
+from tests.integration.helpers import assert_succeeded, jobs_of_run, load_dag, task_state, utc, xcom
 
 pytestmark = pytest.mark.integration
 
 TABLE = f"rayllm_tickets_{os.getpid()}"
-DATES = ["2026-06-01", "2026-06-02"]
+# The date the example runs for: the table holds the day before and the day after as well.
+DAY = "2026-06-02"
 TICKETS = {
     "2026-06-01": ["My printer is jammed again.", "I cannot log in to my account.", "The invoice total is wrong."],
     "2026-06-02": ["The app crashes on start.", "Please reset my password.", "Shipping is late by a week."],
@@ -85,29 +87,27 @@ def _rows(s3, manifest):
 
 
 @pytest.fixture(scope="module")
-def backfill(ray_conn, airflow_db, smollm2, warehouse):
+def example_run(ray_conn, airflow_db, smollm2, warehouse):
     conf = {"model_source": str(smollm2), "table": TABLE, "output_prefix": "s3://llm-outputs/tickets", "max_tokens": 24}
-    runs = {}
-    for day in DATES:
-        date = utc(*map(int, day.split("-")))
-        dag = load_dag("dags_examples", "example_postgres_to_s3", "example_postgres_to_s3")
-        dag_run = dag.test(logical_date=date, run_after=date, run_conf=conf)
-        assert task_state(dag_run, "summarize_tickets") == "success", day
-        runs[day] = xcom(dag.dag_id, dag_run.run_id, "summarize_tickets", "return_value")
-    return {"conf": conf, "manifests": runs}
+    date = utc(*map(int, DAY.split("-")))
+    dag = load_dag("dags_examples", "example_postgres_to_s3", "example_postgres_to_s3")
+    dag_run = dag.test(logical_date=date, run_after=date, run_conf=conf)
+    assert_succeeded(dag_run, "summarize_tickets", context=DAY)
+    return xcom(dag.dag_id, dag_run.run_id, "summarize_tickets", "return_value")
 
 
-def test_backfilled_dates_have_disjoint_complete_outputs(backfill, warehouse):
-    s3 = warehouse["s3"]
-    for day_index, day in enumerate(DATES):
-        manifest = backfill["manifests"][day]
-        assert manifest["output_uri"] == f"s3://llm-outputs/tickets/{day}"
-        assert manifest["rows_in"] == manifest["rows_out"] == 3 and manifest["rows_errored"] == 0
-        rows = _rows(s3, manifest)
-        assert sorted(r["id"] for r in rows) == [day_index * 10 + i for i in range(3)]
-        assert all(r["response"].strip() for r in rows)
-        assert {r["body"] for r in rows} == set(TICKETS[day])
-    assert len({m["submission_id"] for m in backfill["manifests"].values()}) == len(DATES)
+def test_the_example_answers_only_its_dates_rows_under_its_dates_prefix(example_run, warehouse):
+    manifest, day_index = example_run, list(TICKETS).index(DAY)
+    assert manifest["output_uri"] == f"s3://llm-outputs/tickets/{DAY}"
+    assert manifest["rows_in"] == manifest["rows_out"] == len(TICKETS[DAY]) and manifest["rows_errored"] == 0
+    rows = _rows(warehouse["s3"], manifest)
+    assert sorted(r["id"] for r in rows) == [day_index * 10 + i for i in range(len(TICKETS[DAY]))]
+    assert all(r["response"].strip() for r in rows)
+    assert {r["body"] for r in rows} == set(TICKETS[DAY])
+    # Nothing was written beside the date's own prefix (S3 folder markers of the path down to it aside).
+    own = f"tickets/{DAY}/"
+    written = _objects(warehouse["s3"], "tickets/")
+    assert written and [key for key in written if not (key.startswith(own) or own.startswith(key))] == []
 
 
 def _sql_job_error(hook, dag_run):
