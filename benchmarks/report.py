@@ -141,12 +141,25 @@ def plot_http(http: dict) -> None:
     fig.savefig(IMG / "http_throughput.png", dpi=120)
 
 
+def _share_of_job(point: dict, key: str) -> tuple[list[float], list[float]]:
+    """A series of (seconds since the job's start, value), with time as a share (%) of that job's length."""
+    job_s = point["job_s"]
+    kept = [(t, v) for t, v in point[key] if 0 <= t <= job_s]
+    return [t / job_s * 100 for t, _ in kept], [v for _, v in kept]
+
+
 def plot_scale(scale: dict) -> None:
     plt = _plt()
     points = scale["scale"]
     rows = [p["rows"] for p in points]
     series = [p for p in points if p.get("object_store_series")]
-    fig, axes = plt.subplots(1, 3 if series else 2, figsize=(15 if series else 10, 3.2))
+    files = [p for p in points if p.get("output_files_series")]
+    panels = 2 + bool(series) + bool(files)
+    grid = (2, 2) if panels > 2 else (1, 2)
+    fig, axes = plt.subplots(*grid, figsize=(11, 3.3 * grid[0]), squeeze=False)
+    axes = list(axes.flat)
+    for unused in axes[panels:]:
+        unused.set_visible(False)
     ax1, ax2 = axes[0], axes[1]
     ax1.plot(rows, [p["rows_per_s"] for p in points], marker="o", color="#2b6cb0")
     ax1.set_xscale("log")
@@ -162,20 +175,34 @@ def plot_scale(scale: dict) -> None:
     ax2.set_ylabel("peak RSS, MB")
     ax2.legend(fontsize=8)
     ax2.set_title("memory by job size")
+    # Each job's own time axis, as a share of that job: a streaming job's lines look alike whatever its size.
+    extra = iter(axes[2:])
     if series:
-        # Each job's own time axis, as a share of that job: a streaming job's line stays in one band whatever
-        # its size; a job that held its input would climb with it.
-        ax3 = axes[2]
+        # A job that held its input would climb with it; a streaming one stays in one band.
+        ax = next(extra)
         for p in series:
-            job_s = p["job_s"]
-            xs = [t / job_s * 100 for t, _ in p["object_store_series"] if 0 <= t <= job_s]
-            ys = [mb for t, mb in p["object_store_series"] if 0 <= t <= job_s]
-            ax3.step(xs, ys, where="post", label=f"{p['rows']:,} rows ({job_s:.0f} s)")
-        ax3.set_ylim(bottom=0)
-        ax3.set_xlabel("share of the job's time, %")
-        ax3.set_ylabel("object store in use, MB")
-        ax3.legend(fontsize=8)
-        ax3.set_title("object store over each job (Ray's metric)")
+            xs, ys = _share_of_job(p, "object_store_series")
+            ax.step(xs, ys, where="post", label=f"{p['rows']:,} rows ({p['job_s']:.0f} s)")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("share of the job's time, %")
+        ax.set_ylabel("object store in use, MB")
+        ax.legend(fontsize=8)
+        ax.set_title("object store over each job (Ray's metric)")
+    if files:
+        # Output files on disk while the job runs, as a share of the files it ends with: a job that wrote
+        # only at its end would stay at 0 until 100 % of its time; a streaming one follows the diagonal.
+        ax = next(extra)
+        for p in files:
+            xs, counts = _share_of_job(p, "output_files_series")
+            final = max(counts[-1], 1) if counts else 1
+            ax.step(xs, [c / final * 100 for c in counts], where="post", label=f"{p['rows']:,} rows")
+        ax.plot([0, 100], [0, 100], color="#999999", linewidth=0.8, linestyle="--", label="even pace")
+        ax.set_xlim(0, 100)
+        ax.set_ylim(0, 105)
+        ax.set_xlabel("share of the job's time, %")
+        ax.set_ylabel("output files written, % of the job's")
+        ax.legend(fontsize=8)
+        ax.set_title("outputs appear while each job runs")
     fig.tight_layout()
     IMG.mkdir(parents=True, exist_ok=True)
     fig.savefig(IMG / "scale.png", dpi=120)
@@ -415,12 +442,20 @@ def scale_section(s: dict | None) -> str:
                 "(target within 10 %)\n"
             )
     spread = [p["rows_per_s"] for p in points]
+    legend = ""
+    if any(p.get("object_store_series") for p in points) and any(p.get("output_files_series") for p in points):
+        legend = (
+            "\nTop: throughput and peak memory by size. Bottom, on each job's own time axis (a share of its "
+            "length): the object store in use, and the output files on disk as a share of the job's last count. "
+            "A job that held its input would climb on the bottom left, and stay at 0 on the bottom right until "
+            "its end.\n"
+        )
     return f"""## Scale (HTTP path, fast local endpoint; `make bench` of {s.get("date", "?")})
 
 {s["description"]}
 
 ![scale](img/scale.png)
-
+{legend}
 {_scale_table(points)}
 
 Throughput, slowest size against fastest: {min(spread) / max(spread):.0%}.
