@@ -36,6 +36,8 @@ class Tally:
         self.first_answer_at: float | None = None
         self.last_answer_at: float | None = None
         self.first_write_at: float | None = None
+        # Rows answered when the first file's report came: fewer than all shows the writing overlapped the engine.
+        self.answered_at_first_write: int | None = None
 
     def read(self, key: str, rows: int, skipped: int) -> None:
         self.reads[key] = (rows, skipped)
@@ -51,6 +53,8 @@ class Tally:
         self.answers[key] = (rows, errored, tokens_out)
 
     def wrote(self, key: str, files: int, at: float) -> None:
+        if self.answered_at_first_write is None:
+            self.answered_at_first_write = sum(a[0] for a in self.answers.values())
         if self.first_write_at is None or at < self.first_write_at:
             self.first_write_at = at
         self.writes[key] = files
@@ -67,6 +71,7 @@ class Tally:
             "first_answer_at": self.first_answer_at,
             "last_answer_at": self.last_answer_at,
             "first_write_at": self.first_write_at,
+            "answered_at_first_write": self.answered_at_first_write,
         }
 
 
@@ -161,7 +166,8 @@ class ProgressLog:
             self._first_noted = True
             self.note(
                 f"first output file written {first_write - self.started:.1f} s after the plan started "
-                f"({totals['rows_answered']} rows answered, {totals['rows_read']} read so far)"
+                f"({totals['answered_at_first_write']} rows answered when it was written; "
+                f"{totals['rows_read']} read by this report)"
             )
         self._watch_engine(now)
         since = self.ready_at or first_answer

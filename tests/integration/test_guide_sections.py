@@ -56,11 +56,12 @@ def test_the_guides_embeddings_stream_2048_rows_with_no_engine_kwargs(ray_conn, 
 
     timeline = manifest["timeline"]
     assert timeline["first_output_file_s"] < timeline["last_answer_s"], timeline
+    # The job log says how far the engine was when the first file was written (counted by the stream at that
+    # moment; where the driver's note lands among the engine's lines depends on its 10-second poll).
     log = RayJobHook().get_job_logs(manifest["submission_id"])
-    note = re.search(r"first output file written [\d.]+ s after the plan started \((\d+) rows answered", log)
+    note = re.search(r"first output file written [\d.]+ s after the plan started \((\d+) rows answered when", log)
     assert note is not None, "the driver notes its first output file"
     assert int(note.group(1)) < rows, "the first file was written before the engine answered every row"
-    assert note.start() < log.rindex("[vLLM] Elapsed time for batch"), "and before the engine's last batch"
     assert len(manifest["output_files"]) >= 2
 
 

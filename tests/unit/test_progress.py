@@ -41,6 +41,19 @@ def test_a_key_reported_twice_counts_once():
     assert (totals["tokens_out"], totals["files_written"], totals["first_answer_at"]) == (40, 2, 100.0)
 
 
+def test_the_first_file_keeps_the_rows_answered_when_it_came():
+    """The first output file's report keeps the count of that moment: later answers do not move it."""
+    tally = progress.Tally()
+    tally.answered("a1", 8, 0, 40, at=100.0)
+    assert tally.totals()["answered_at_first_write"] is None
+    tally.wrote("write-0", 1, at=101.0)
+    tally.answered("a2", 8, 0, 40, at=102.0)
+    tally.wrote("write-1", 1, at=103.0)
+    totals = tally.totals()
+    assert totals["rows_answered"] == 16 and totals["answered_at_first_write"] == 8
+    assert totals["first_write_at"] == 101.0
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     import ray
