@@ -19,7 +19,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -28,8 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from airflow_provider_rayllm.local.cluster import LocalRayCluster  # noqa: E402
+from benchmarks.common import bench_home  # noqa: E402
 
 SETTING = "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"
+SETTINGS = {"ray default (1000)": None, "0": "0"}  # label in the results: the value given to Ray
 
 
 def _cpu_s(pid: int) -> float:
@@ -37,12 +38,11 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_round(threshold: str | None, files: int, seconds: float) -> dict:
-    previous = os.environ.pop(SETTING, None)
-    if threshold is not None:
-        os.environ[SETTING] = threshold
-    state = Path(tempfile.mkdtemp(prefix="rayllm-lm-bench-"))
-    cluster = LocalRayCluster(state_dir=state / "ray", num_cpus=2)
+def one_round(label: str, files: int, seconds: float) -> dict:
+    os.environ.pop(SETTING, None)
+    if SETTINGS[label] is not None:
+        os.environ[SETTING] = SETTINGS[label]
+    cluster = LocalRayCluster(state_dir=bench_home("log-monitor") / "ray", num_cpus=2)
     try:
         info = cluster.start()
         session = Path(info.temp_dir) / "session_latest" / "logs"
@@ -53,7 +53,7 @@ def one_round(threshold: str | None, files: int, seconds: float) -> dict:
         before = _cpu_s(pid)
         time.sleep(seconds)
         return {
-            "threshold": threshold or "ray default (1000)",
+            "threshold": label,
             "log_entries": len(os.listdir(session)),
             "cpu_s": round(_cpu_s(pid) - before, 3),
             "seconds": seconds,
@@ -61,8 +61,6 @@ def one_round(threshold: str | None, files: int, seconds: float) -> dict:
     finally:
         cluster.stop()
         os.environ.pop(SETTING, None)
-        if previous is not None:
-            os.environ[SETTING] = previous
 
 
 def main() -> int:
@@ -73,13 +71,11 @@ def main() -> int:
     args = parser.parse_args()
     runs = []
     for n in range(args.rounds):
-        for threshold in (None, "0"):
-            runs.append(one_round(threshold, args.files, args.seconds))
+        for label in SETTINGS:
+            runs.append(one_round(label, args.files, args.seconds))
             print(f"round {n + 1}: {runs[-1]}", flush=True)
-    median = {
-        name: statistics.median(r["cpu_s"] for r in runs if r["threshold"] == name)
-        for name in ("ray default (1000)", "0")
-    }
+    median = {label: statistics.median(r["cpu_s"] for r in runs if r["threshold"] == label) for label in SETTINGS}
+    default, throttled = median.values()
     result = {
         "date": date.today().isoformat(),
         "description": __doc__,
@@ -87,7 +83,7 @@ def main() -> int:
         "runs": runs,
         "median_cpu_s": median,
         "share_of_a_core": {k: round(v / args.seconds, 4) for k, v in median.items()},
-        "reduction": round(1 - median["0"] / median["ray default (1000)"], 3) if median["ray default (1000)"] else None,
+        "reduction": round(1 - throttled / default, 3) if default else None,
     }
     out = REPO / "benchmarks" / "results" / f"{date.today().isoformat()}-log-monitor.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

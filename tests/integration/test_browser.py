@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import xcom
+from tests.integration.helpers import assert_succeeded, xcom
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +45,7 @@ def _airflow(*args: str, env: dict) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def finished_run(quickstart_run):
     """The shipped quickstart DAG's finished run (shared with the other tests), with its Ray job link."""
-    assert quickstart_run["state"] == "success", quickstart_run["why"]
+    assert_succeeded(quickstart_run["dag_run"], "answer")
     dag_run = quickstart_run["dag_run"]
     return {
         "dag_id": dag_run.dag_id,

@@ -147,7 +147,7 @@ QUICKSTART = dict(
 @pytest.fixture(scope="module")
 def local_answers(quickstart_run):
     """The quickstart's answers with the model read from its local folder: what every bucket must reproduce."""
-    assert quickstart_run["state"] == "success", quickstart_run["why"]
+    assert_succeeded(quickstart_run["dag_run"], "answer")
     return {r["id"]: r["response"] for r in quickstart_run["rows"]}
 
 

@@ -80,8 +80,7 @@ def test_two_chained_tasks_share_the_serve_deployment(serve_app, airflow_db, tes
     dag_run = dag.test(
         logical_date=utc(2026, 8, 20), run_after=utc(2026, 8, 20), run_conf={**CONF, "input_uri": input_uri}
     )
-    assert_succeeded(dag_run, "first_turn")
-    assert_succeeded(dag_run, "second_turn")
+    assert_succeeded(dag_run, "first_turn", "second_turn")
     first = xcom(dag.dag_id, dag_run.run_id, "first_turn", "return_value")
     second = xcom(dag.dag_id, dag_run.run_id, "second_turn", "return_value")
     assert first["kind"] == second["kind"] == "serve"
