@@ -45,9 +45,9 @@ def main(argv: list[str]) -> int:
     loaded = secrets.load_into_env(package_dir)
     if loaded:
         log.info("secrets loaded into the environment: %s", loaded)
-    # Ray stops a job with SIGTERM (and SIGKILL some seconds later): end through the finally below, which
-    # removes the job's secrets from the cluster.
-    signal.signal(signal.SIGTERM, _stopped)
+    # Ray stops a job with SIGTERM (and SIGKILL some seconds later): the secrets on this node go at once, then
+    # the job ends through the finally below, which removes them from the other nodes and the cluster's store.
+    signal.signal(signal.SIGTERM, lambda signum, frame: _stopped(package_dir if loaded else None))
     try:
         with open(spec_path, encoding="utf-8") as handle:
             spec = parse_spec(handle.read())
@@ -72,21 +72,23 @@ def main(argv: list[str]) -> int:
         print(f"{ERROR_LOG_PREFIX}{secrets.scrub(f'{type(exc).__name__}: {first_line}', known)}", flush=True)
         return 1
     finally:
-        _cleanup(loaded)
+        _cleanup(loaded, package_dir)
     print(manifest.log_line(body), flush=True)
     return 0
 
 
-def _stopped(signum: int, frame: object) -> None:
+def _stopped(package_dir: str | None) -> None:
+    if package_dir:
+        secrets.remove_local(package_dir)
     raise SystemExit(143)
 
 
-def _cleanup(loaded: list[str]) -> None:
+def _cleanup(loaded: list[str], package_dir: str) -> None:
     """The secrets leave the cluster with the job (a failed cleanup is said, never hidden)."""
     if not loaded:
         return
     try:
-        secrets.cleanup()
+        secrets.cleanup(package_dir)
         log.info("job secrets removed from the cluster's copies of the job package")
     except Exception as exc:
         print(f"WARNING: could not remove the job's secrets from the cluster: {type(exc).__name__}: {exc}", flush=True)

@@ -71,11 +71,11 @@ def scrub(text: str, secrets: list[str]) -> str:
     return text
 
 
-def _remove_here() -> list[str]:
-    """Delete this process's copy of the secrets file and key file (its cwd is the job package)."""
+def _remove_here(directory: str | None = None) -> list[str]:
+    """Delete this node's copy of the secrets file and key file (a task's cwd is that node's job package)."""
     removed = []
     for name in (SECRETS_FILE, GCP_KEYFILE_NAME):
-        path = os.path.join(os.getcwd(), name)
+        path = os.path.join(directory or os.getcwd(), name)
         try:
             os.remove(path)
             removed.append(path)
@@ -84,14 +84,22 @@ def _remove_here() -> list[str]:
     return removed
 
 
-def cleanup(timeout_s: float = 15.0) -> None:
+def remove_local(package_dir: str) -> list[str]:
+    """The driver node's copy goes first, in no time: a stopped job is killed a while after Ray's SIGTERM,
+    and the tasks that reach the other nodes can take long to start on a busy cluster."""
+    return _remove_here(package_dir)
+
+
+def cleanup(package_dir: str, timeout_s: float = 15.0) -> None:
     """Remove the secrets from every node's copy of the job package and the package from the cluster's store.
 
-    A task per live node runs in the job's own runtime env (its working directory is that node's copy of
-    the package) and deletes the files there; then the driver deletes the package itself."""
+    The driver's own node first; then a task per live node runs in the job's own runtime env (its working
+    directory is that node's copy of the package) and deletes the files there; then the driver deletes the
+    package itself."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    remove_local(package_dir)
     if not ray.is_initialized():
         ray.init(log_to_driver=False)
     remove = ray.remote(num_cpus=0, max_retries=0)(_remove_here)
@@ -101,7 +109,6 @@ def cleanup(timeout_s: float = 15.0) -> None:
         if node.get("Alive")
     ]
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    _remove_here()
     package = (ray.get_runtime_context().runtime_env or {}).get("working_dir") or ""
     if package.startswith("gcs://"):
         from ray.experimental.internal_kv import _internal_kv_del

@@ -1,6 +1,7 @@
 """Airflow connections -> the environment the Ray job's processes get (as job secrets)."""
 
 import json
+import time
 
 import pytest
 
@@ -121,3 +122,49 @@ def test_secret_names_are_hidden_and_token_counts_are_shown():
     assert (shown["max_num_batched_tokens"], shown["max_tokens"]) == (16384, 64)
     assert (shown["tokenizer"], shown["tokenizer_mode"]) == ("/models/tok", "auto")
     assert shown["base_url"] == "https://***@example.com/v1"
+
+
+_STOPPED_DRIVER = """
+import sys, time
+from airflow_provider_rayllm.job import driver, entrypoint, secrets
+# the job runs until Ray stops it; the tasks that reach the other nodes then take long to start
+driver.run = lambda *args: (print("running", flush=True), time.sleep(120))
+secrets.cleanup = lambda *args, **kwargs: time.sleep(120)
+sys.exit(entrypoint.main([sys.argv[1]]))
+"""
+
+
+def test_a_stopped_driver_removes_its_nodes_secrets_at_once(tmp_path):
+    """Ray kills a stopped job's driver a while after its SIGTERM: the secrets on the driver's node must be
+    gone before the slow part of the cleanup starts, not after it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    spec = {
+        "source": {"uris": "/data/in.jsonl"},
+        "prompt": {"prompt_column": "prompt", "sampling_params": {"max_tokens": 8}},
+        "processor": {"model_source": "/models/smol"},
+        "sink": {"uri": "/out/run1"},
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "secrets.json").write_text(json.dumps({"API_KEY": "s3cret-value", GCP_KEYFILE_JSON: "{}"}))
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_DRIVER, "spec.json"], cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        lines = [driver.stdout.readline()]
+        while lines[-1] and lines[-1].strip() != "running":
+            lines.append(driver.stdout.readline())
+        assert lines[-1].strip() == "running", lines
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["gcp-keyfile.json", "secrets.json", "spec.json"]
+        os.kill(driver.pid, signal.SIGTERM)
+        deadline = time.time() + 30
+        while (tmp_path / "secrets.json").exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert driver.poll() is None, "the driver is still in its (slow) cleanup"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.json"]
+    finally:
+        driver.kill()
+        driver.wait()
