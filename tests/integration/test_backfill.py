@@ -1,5 +1,5 @@
 """`airflow backfill create` on a real Airflow: `airflow standalone` (scheduler, DAG processor, triggerer,
-API server, LocalExecutor) in its own home, running tests/dags_backfill/rayllm_backfill.py against the
+API server, LocalExecutor) in its own home and PostgreSQL database, running tests/dags_backfill/rayllm_backfill.py against the
 local Ray cluster and the echo endpoint.
 
 A backfill over two dates gives two outputs, each in its own run's prefix with only its own date's
@@ -117,7 +117,27 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(ray_conn, test_home, service_logs):
+def airflow_database(postgres_dsn):
+    """A database of its own on the machine's PostgreSQL for the standalone Airflow's metadata. SQLite, with
+    the scheduler and the CLI writing at once, failed in CI with "database is locked" even when told to wait
+    a minute: two writers that both hold a read lock cannot wait for each other."""
+    import uuid
+
+    import psycopg2
+
+    name = f"airflow_backfill_{uuid.uuid4().hex[:8]}"
+    admin = psycopg2.connect(postgres_dsn)
+    admin.autocommit = True
+    admin.cursor().execute(f"CREATE DATABASE {name}")
+    try:
+        yield postgres_dsn.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg2://", 1) + f"/{name}"
+    finally:
+        admin.cursor().execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()
+
+
+@pytest.fixture(scope="module")
+def stack(ray_conn, test_home, service_logs, airflow_database):
     from airflow_provider_rayllm.local.cluster import free_port
 
     home = test_home / "standalone"
@@ -133,9 +153,7 @@ def stack(ray_conn, test_home, service_logs):
     env.update(
         {
             "AIRFLOW_HOME": str(home),
-            # standalone's SQLite database, written by its scheduler while the CLI creates a backfill: wait up
-            # to a minute for the other writer (SQLite's default of 5 s ran out in CI: "database is locked").
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}?timeout=60",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": airflow_database,
             "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
