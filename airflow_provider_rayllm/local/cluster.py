@@ -32,6 +32,13 @@ DEFAULT_STATE_DIR = Path(
 # process every 10 s or so, each paying its Python and Ray imports again.
 IDLE_WORKERS = 8
 
+# Ray's log monitor looks for new log files on every 0.1 s loop until its folder holds this many, then every
+# 0.5 s. Each look globs the whole folder, which keeps a log for every worker process the session started (455
+# entries after a CI run), so a long-lived head spent 2.4 CPU-s a minute idle on it; at 0 it spends 0.64 (73 %
+# less; benchmarks/log_monitor_bench.py, results/2026-12-03-log-monitor.json). A new worker's output reaches the
+# job log up to 0.5 s after the worker starts; lines of files already open are not delayed.
+LOG_MONITOR_MANY_FILES = 0
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -165,6 +172,7 @@ class LocalRayCluster:
         env.pop("RAY_AUTH_TOKEN", None)
         env["RAY_USAGE_STATS_ENABLED"] = "0"
         env["RAY_num_workers_soft_limit"] = str(IDLE_WORKERS)
+        env.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", str(LOG_MONITOR_MANY_FILES))
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
         # Jobs on the embedded stack use the same interpreter and packages as this process.
         env["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
