@@ -573,8 +573,9 @@ def test_a_killed_vllm_engine_is_resumed_without_recomputing_finished_rows(ray_c
     answered is kept: either the job survives it, or the retry resumes from the saved files."""
     from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
 
-    # The engine answers 8 rows at a time (max_num_seqs), so files appear batch by batch while most rows wait.
-    n = 96
+    # The engine answers 8 rows at a time (max_num_seqs), so files appear batch by batch while most rows wait
+    # (eight batches: after the first file, seven wait for the engine that is killed).
+    n = 64
     input_uri, output_uri = _rows(test_home, "engine_death", n), test_home / "out" / "engine_death"
 
     def operator():
@@ -585,7 +586,7 @@ def test_a_killed_vllm_engine_is_resumed_without_recomputing_finished_rows(ray_c
             model_source=str(smollm2),
             prompt_column="prompt",
             id_column="id",
-            sampling_params={"max_tokens": 48, "temperature": 0},
+            sampling_params={"max_tokens": 32, "temperature": 0},
             engine_kwargs={"max_num_seqs": 8},
             batch_size=8,
             deferrable=False,
