@@ -165,6 +165,10 @@ def stack(ray_conn, test_home, service_logs, airflow_database):
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
+            # A task's first call to the API server (marking it running) took 39 s in CI, with both cores busy;
+            # at Airflow's default of 5 s the task timed out, its retry was refused (already running) and the
+            # task failed before it started. Airflow's advice for high load: a longer timeout.
+            "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "120",
             "RAYLLM_BACKFILL_INPUTS": str(inputs),
             # standalone starts its components as `airflow ...` subprocesses found on PATH
             "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
