@@ -71,8 +71,10 @@ def scrub(text: str, secrets: list[str]) -> str:
     return text
 
 
-def _remove_here(directory: str | None = None) -> list[str]:
-    """Delete this node's copy of the secrets file and key file (a task's cwd is that node's job package)."""
+def remove_local(directory: str | None = None) -> list[str]:
+    """Delete this node's copy of the secrets file and key file: in ``directory``, or the cwd (a task's cwd is
+    its node's job package). The driver calls it first, in no time: a stopped job is killed a while after Ray's
+    SIGTERM, and the tasks that reach the other nodes can take long to start on a busy cluster."""
     removed = []
     for name in (SECRETS_FILE, GCP_KEYFILE_NAME):
         path = os.path.join(directory or os.getcwd(), name)
@@ -82,12 +84,6 @@ def _remove_here(directory: str | None = None) -> list[str]:
         except FileNotFoundError:
             pass
     return removed
-
-
-def remove_local(package_dir: str) -> list[str]:
-    """The driver node's copy goes first, in no time: a stopped job is killed a while after Ray's SIGTERM,
-    and the tasks that reach the other nodes can take long to start on a busy cluster."""
-    return _remove_here(package_dir)
 
 
 def cleanup(package_dir: str, timeout_s: float = 15.0) -> None:
@@ -102,7 +98,7 @@ def cleanup(package_dir: str, timeout_s: float = 15.0) -> None:
     remove_local(package_dir)
     if not ray.is_initialized():
         ray.init(log_to_driver=False)
-    remove = ray.remote(num_cpus=0, max_retries=0)(_remove_here)
+    remove = ray.remote(num_cpus=0, max_retries=0)(remove_local)
     refs = [
         remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()
         for node in ray.nodes()
