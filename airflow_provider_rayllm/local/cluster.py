@@ -8,14 +8,17 @@ replicas spread over nodes.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import random
 import re
 import secrets
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -40,17 +43,72 @@ IDLE_WORKERS = 8
 LOG_MONITOR_MANY_FILES = 0
 
 
-def free_port() -> int:
+# The ports we choose for Ray and the test services lie between Ray's worker ports (its --min/--max-worker-port
+# defaults, 10002-19999) and the kernel's ephemeral range (from 32768 here). A port the kernel hands out for a
+# bind to port 0 comes from that range and can be handed out again once released: in CI a worker raylet's object
+# manager, which binds port 0, took the dashboard agent port chosen for that node a moment before, and the node
+# never started ("Failed to bind to address 0.0.0.0:37523"). Ports handed out here are remembered for a while
+# in one file, under a lock, so two processes choosing at once (the two pytest workers) never get the same one.
+OWN_PORTS_FROM = 20000
+PORT_CLAIMS = Path(tempfile.gettempdir()) / "rayllm-port-claims.json"
+PORT_CLAIM_S = 600.0
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; IANA's range starts at 49152
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def _free_ports(count: int) -> list[int]:
+    """``count`` distinct ports nothing listens on, outside the kernel's ephemeral range and Ray's worker ports,
+    and not handed out by this function in the last ten minutes."""
+    low, high = OWN_PORTS_FROM, _ephemeral_start() - 1
+    if high - low < 1000:  # an unusual kernel range: leave the choice to the kernel
+        return sorted(_kernel_ports(count))
+    with open(PORT_CLAIMS.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        now = time.time()
+        try:
+            claims = {int(p): t for p, t in json.loads(PORT_CLAIMS.read_text()).items() if now - t < PORT_CLAIM_S}
+        except (OSError, ValueError, AttributeError):
+            claims = {}
+        chosen: list[int] = []
+        pick = random.SystemRandom()
+        for _ in range(50 * count):
+            port = pick.randint(low, high)
+            if port not in claims and port not in chosen and _bindable(port):
+                chosen.append(port)
+                if len(chosen) == count:
+                    break
+        else:
+            raise RuntimeError(f"no {count} free ports between {low} and {high}")
+        claims.update((port, now) for port in chosen)
+        PORT_CLAIMS.write_text(json.dumps(claims))
+    return sorted(chosen)
+
+
+def _kernel_ports(count: int) -> set[int]:
     ports: set[int] = set()
     while len(ports) < count:
-        ports.add(free_port())
-    return sorted(ports)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.add(int(sock.getsockname()[1]))
+    return ports
+
+
+def free_port() -> int:
+    return _free_ports(1)[0]
 
 
 @dataclass
