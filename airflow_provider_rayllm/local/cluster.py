@@ -11,7 +11,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import random
 import re
 import secrets
 import shutil
@@ -84,7 +83,7 @@ def _free_ports(count: int) -> list[int]:
         except (OSError, ValueError, AttributeError):
             claims = {}
         chosen: list[int] = []
-        pick = random.SystemRandom()
+        pick = secrets.SystemRandom()
         for _ in range(50 * count):
             port = pick.randint(low, high)
             if port not in claims and port not in chosen and _bindable(port):
