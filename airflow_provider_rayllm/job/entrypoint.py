@@ -45,8 +45,9 @@ def main(argv: list[str]) -> int:
     loaded = secrets.load_into_env(package_dir)
     if loaded:
         log.info("secrets loaded into the environment: %s", loaded)
-    # Ray stops a job with SIGTERM (and SIGKILL some seconds later): the secrets on this node go at once, then
-    # the job ends through the finally below, which removes them from the other nodes and the cluster's store.
+    # Ray stops a job with SIGTERM (and SIGKILL some seconds later): the secrets on this node and the job's
+    # package in the cluster's store go at once, then the job ends through the finally below, which removes
+    # them from the other nodes.
     signal.signal(signal.SIGTERM, lambda signum, frame: _stopped(package_dir if loaded else None))
     try:
         with open(spec_path, encoding="utf-8") as handle:
@@ -80,6 +81,13 @@ def main(argv: list[str]) -> int:
 def _stopped(package_dir: str | None) -> None:
     if package_dir:
         secrets.remove_local(package_dir)
+        try:
+            secrets.remove_package()
+        except Exception as exc:  # the cleanup in main's finally tries again
+            print(
+                f"WARNING: could not remove the job's package from the cluster's store: {type(exc).__name__}",
+                flush=True,
+            )
     raise SystemExit(143)
 
 

@@ -107,8 +107,10 @@ def ray_jobs_report(run_id: str, tail: int = 25) -> str:
             lines = hook.get_job_logs(job.submission_id).splitlines()
         except Exception as exc:
             lines = [f"(no log: {exc!r})"]
+        # The first distinct error lines: a root cause (an engine core's) comes before the errors it causes,
+        # and those repeat to the end of the log.
         errors = [line for line in lines[:-tail] if line.startswith("RAYLLM_ERROR") or "Error" in line]
-        parts.extend(errors[-10:] + lines[-tail:])
+        parts.extend(list(dict.fromkeys(errors))[:10] + lines[-tail:])
     return "\n".join(parts)
 
 

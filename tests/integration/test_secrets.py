@@ -88,21 +88,25 @@ print(json.dumps({"packages": len(keys), "found": found}))
 """
 
 
-def _store_holding_canaries(info) -> dict:
+def _driver_env(info) -> dict:
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=info.token_file)
     env.pop("RAY_AUTH_TOKEN", None)
+    return env
+
+
+def _store_holding_canaries(info, canaries: dict | None = None) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", _STORE_SCAN, info.gcs_address, json.dumps(CANARIES)],
+        [sys.executable, "-c", _STORE_SCAN, info.gcs_address, json.dumps(canaries or CANARIES)],
         capture_output=True,
         text=True,
-        env=env,
+        env=_driver_env(info),
         timeout=120,
         check=True,
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _check_nothing_left(info, hook, ti, op_logs: str) -> dict:
+def _check_nothing_left(info, hook, ti, op_logs: str, case: str) -> dict:
     sid = ti.xcom["submission_id"]
     assert _in_bytes(json.dumps(hook.get_job_info(sid)).encode()) == [], "the Jobs API record"
     assert _in_bytes(hook.get_job_logs(sid).encode()) == [], "the job log"
@@ -110,7 +114,7 @@ def _check_nothing_left(info, hook, ti, op_logs: str) -> dict:
     assert _in_bytes(op_logs.encode()) == [], "the task log"
     assert _files_holding_canaries(info) == [], "files on the cluster's nodes"
     store = _store_holding_canaries(info)
-    assert store["found"] == [], "packages in the cluster's store"
+    assert store["found"] == [], f"packages in the cluster's store after the {case} job"
     return store
 
 
@@ -125,7 +129,7 @@ def test_no_secret_survives_a_job_that_succeeds_fails_or_is_stopped(ray_conn, en
     ok_ti = StandInTI("secrets", "manual__secrets", "ok")
     manifest = _op("ok", write_jsonl(test_home / "inputs" / "secrets-ok.jsonl", rows), test_home).execute({"ti": ok_ti})
     assert manifest["rows_out"] == len(rows)
-    _check_nothing_left(info, hook, ok_ti, caplog.text)
+    _check_nothing_left(info, hook, ok_ti, caplog.text, "succeeded")
 
     # 2. failure after every worker loaded the secrets: a row with no prompt fails a gate of zero errors
     bad_rows = rows + [{"id": 99, "prompt": None}]
@@ -135,7 +139,7 @@ def test_no_secret_survives_a_job_that_succeeds_fails_or_is_stopped(ray_conn, en
     )
     with pytest.raises(Exception, match="ended FAILED"):
         failing.execute({"ti": failed_ti})
-    _check_nothing_left(info, hook, failed_ti, caplog.text)
+    _check_nothing_left(info, hook, failed_ti, caplog.text, "failed")
 
     # 3. stopped mid-job (Ray sends SIGTERM to the driver, which cleans up before it goes)
     many = [{"id": i, "prompt": f"slow row {i}"} for i in range(200)]
@@ -148,5 +152,58 @@ def test_no_secret_survives_a_job_that_succeeds_fails_or_is_stopped(ray_conn, en
     stopping.on_kill()
     thread.join(timeout=120)
     assert "ended STOPPED" in str(outcome.get("error"))
-    store = _check_nothing_left(info, hook, stop_ti, caplog.text)
+    store = _check_nothing_left(info, hook, stop_ti, caplog.text, "stopped")
     assert store["packages"] >= 1, "the scan reached the cluster's package store"
+
+
+_STOPPED_DRIVER = """
+import sys, time
+import ray
+from airflow_provider_rayllm.job import driver, entrypoint, secrets
+# A driver whose package (spec and secrets) Ray uploaded to the cluster's store, as for a submitted job.
+ray.init(address=sys.argv[2], runtime_env={"working_dir": "."}, log_to_driver=False)
+# It runs until stopped; its cleanup is then slow (a busy cluster): Ray's SIGKILL would come first.
+driver.run = lambda *args: (print("running", flush=True), time.sleep(300))
+secrets.cleanup = lambda *args, **kwargs: time.sleep(300)
+sys.exit(entrypoint.main([sys.argv[1]]))
+"""
+
+
+def test_a_stopped_driver_deletes_its_package_from_the_store_at_once(ray_conn, tmp_path):
+    """Ray kills a stopped job's driver a while after its SIGTERM (3 s unless told otherwise): the package that
+    holds the secrets must leave the cluster's store at the SIGTERM, not at the end of a cleanup that a busy
+    cluster makes slow."""
+    import signal
+
+    info = ray_conn["info"]
+    canary = {"stopped driver's key": f"sk-canary-{uuid.uuid4().hex}"}
+    spec = {
+        "source": {"uris": "/data/in.jsonl"},
+        "prompt": {"prompt_column": "prompt", "sampling_params": {"max_tokens": 8}},
+        "processor": {"model_source": "/models/smol"},
+        "sink": {"uri": "/out/run1"},
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "secrets.json").write_text(json.dumps({"API_KEY": next(iter(canary.values()))}))
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_DRIVER, "spec.json", info.gcs_address],
+        cwd=tmp_path,
+        env=_driver_env(info),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = [driver.stdout.readline()]
+        while lines[-1] and lines[-1].strip() != "running":
+            lines.append(driver.stdout.readline())
+        assert lines[-1].strip() == "running", lines
+        assert [f for f in _store_holding_canaries(info, canary)["found"] if "stopped driver's key" in f], (
+            "the driver's package is in the store while it runs"
+        )
+        driver.send_signal(signal.SIGTERM)
+        wait_for(lambda: not (tmp_path / "secrets.json").exists(), 30, "the SIGTERM handler")
+        assert _store_holding_canaries(info, canary)["found"] == [], "the package is left in the store"
+        assert driver.poll() is None, "the driver is still in its (slow) cleanup"
+    finally:
+        driver.kill()
+        driver.wait()
