@@ -151,6 +151,28 @@ class JobLogView:
         return [line]
 
 
+# Errors that only say a Ray worker died: the cause is an earlier error line of the job's log.
+_DEATHS = ("ActorDiedError", "RayTaskError", "WorkerCrashedError", "ActorUnschedulableError", "RaySystemError")
+_COLOR = re.compile(r"\x1b\[[0-9;]*m")
+_PREFIXES = re.compile(r"^(?:\(.*?pid=\d+(?:, ip=[\d.]+)?\)\s*|[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\]\s*)+")
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)): (\S.*)$")
+
+
+def root_cause(log_lines: Sequence[str], error: str) -> str:
+    """When the job's error only says that a Ray worker died (an engine that could not start: vLLM's own
+    message says "See root cause above"), the first exception line the job's log holds before it, with the
+    Ray and vLLM prefixes and colors removed; "" otherwise."""
+    if error and not any(death in error.split(":", 1)[0] for death in _DEATHS):
+        return ""
+    for line in log_lines:
+        if line.startswith(ERROR_LOG_PREFIX):
+            break
+        found = _EXCEPTION.match(_PREFIXES.sub("", _COLOR.sub("", line)).strip())
+        if found and not found[1].endswith(_DEATHS) and "root cause above" not in found[2]:
+            return f"{found[1]}: {found[2]}"
+    return ""
+
+
 def scrub(text: str, secrets: Sequence[str]) -> str:
     for value in secrets:
         text = text.replace(value, "***")
@@ -458,13 +480,17 @@ class RayJobOperator(BaseOperator):
 
     # --- finish ---------------------------------------------------------------------------------
     def _job_error_line(self, submission_id: str) -> tuple[str, str]:
+        """The job's own error line (with the root cause when it only says a worker died) and its log's end."""
         try:
-            logs = self.hook.get_job_logs(submission_id)
+            lines = self.hook.get_job_logs(submission_id).splitlines()
         except Exception:
             return "", ""
-        ours = [line[len(ERROR_LOG_PREFIX) :] for line in logs.splitlines() if line.startswith(ERROR_LOG_PREFIX)]
-        tail = "\n".join(logs.splitlines()[-40:])
-        return (ours[-1] if ours else ""), tail
+        ours = [_COLOR.sub("", line[len(ERROR_LOG_PREFIX) :]) for line in lines if line.startswith(ERROR_LOG_PREFIX)]
+        error = ours[-1] if ours else ""
+        cause = root_cause(lines, error)
+        if cause:
+            error = f"{error} (caused by {cause})" if error else cause
+        return error, "\n".join(lines[-40:])
 
     def _secret_values(self) -> list[str]:
         """The secrets this task sends, to scrub from what it logs or raises (a courtesy when unreadable)."""

@@ -2,7 +2,8 @@
 SmolLM2-135M-Instruct, driven by Airflow's own dag.test().
 
 Engines take 20-40 s to start here, so the module runs two engine jobs in all (the deferred run with
-error rows and the example DAG); every other case fails or is stopped before an engine starts.
+error rows and the example DAG), and one whose engine refuses to start; every other case fails or is
+stopped before an engine starts.
 """
 
 from __future__ import annotations
@@ -322,3 +323,28 @@ def test_killing_the_task_stops_the_ray_job(ray_conn, smollm2, test_home, hook):
     assert hook.get_job_info(sid)["status"] == "STOPPED"
     assert seconds_to_stop < 10
     assert isinstance(outcome.get("error"), RayJobFailed) and "ended STOPPED" in str(outcome["error"])
+
+
+def test_an_engine_that_cannot_start_fails_the_task_with_the_engines_own_reason(ray_conn, smollm2, test_home):
+    """vLLM's CPU engine refuses to start when its share of RAM is not free. Ray reports the engine actor's
+    death, and vLLM says "See root cause above"; the task's error must carry that root cause itself."""
+    from airflow_provider_rayllm.exceptions import RayJobFailed
+    from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
+
+    op = VLLMBatchOperator(
+        task_id="generate",
+        input_uri=write_jsonl(test_home / "inputs" / "no-room.jsonl", [{"prompt": q} for q in QUESTIONS[:2]]),
+        model_source=str(smollm2),
+        prompt_column="prompt",
+        engine_kwargs={"gpu_memory_utilization": 0.99},  # more than any machine running the tests has free
+        output_uri=str(test_home / "out" / "no-room"),
+        deferrable=False,
+        poll_interval=0.5,
+    )
+    with pytest.raises(RayJobFailed) as failure:
+        op.execute({"ti": StandInTI("no_room", "manual__no_room", "generate")})
+    message = str(failure.value)
+    assert "ended FAILED: ActorDiedError" in message
+    assert "(caused by ValueError: Available memory on node" in message, message
+    assert "less than desired CPU memory utilization (0.99," in message, message
+    assert "\x1b[" not in message, "no terminal colors in the task's error"

@@ -488,3 +488,19 @@ def test_a_job_error_raised_in_a_stage_actor_is_found_in_rays_text():
     )
     message = str(input_error_in(decode, spec))
     assert "input_uri ['/in/bad.jsonl']" in message and "byte 0xe9" in message and "not UTF-8 text" in message
+
+
+def test_a_root_cause_is_named_only_when_the_jobs_error_says_a_worker_died():
+    from airflow_provider_rayllm.operators.base import root_cause
+
+    died = "ActorDiedError: The actor died because of an error raised in its creation task"
+    lines = [
+        "\x1b[36m(MapWorker(MapBatches(vLLMEngineStageUDF)) pid=7)\x1b[0m (EngineCore pid=9) ERROR 12-04 00:40:05 "
+        "[core.py:1510] ValueError: Available memory on node 0 is less than desired",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+        f"RAYLLM_ERROR {died}",
+        "KeyError: 'after the job's error'",
+    ]
+    assert root_cause(lines, died) == "ValueError: Available memory on node 0 is less than desired"
+    assert root_cause(lines[1:], died) == "", "vLLM's pointer to the cause is not the cause"
+    assert root_cause(lines, "JobError: 3 of 10 rows failed, above max_error_fraction=0.1") == ""
