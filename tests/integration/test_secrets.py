@@ -175,16 +175,11 @@ def test_a_stopped_driver_deletes_its_package_from_the_store_at_once(ray_conn, t
     cluster makes slow."""
     import signal
 
+    from tests.unit.test_credentials import write_job_package
+
     info = ray_conn["info"]
     canary = {"stopped driver's key": f"sk-canary-{uuid.uuid4().hex}"}
-    spec = {
-        "source": {"uris": "/data/in.jsonl"},
-        "prompt": {"prompt_column": "prompt", "sampling_params": {"max_tokens": 8}},
-        "processor": {"model_source": "/models/smol"},
-        "sink": {"uri": "/out/run1"},
-    }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    (tmp_path / "secrets.json").write_text(json.dumps({"API_KEY": next(iter(canary.values()))}))
+    write_job_package(tmp_path, {"API_KEY": next(iter(canary.values()))})
     driver = subprocess.Popen(
         [sys.executable, "-c", _STOPPED_DRIVER, "spec.json", info.gcs_address],
         cwd=tmp_path,

@@ -134,6 +134,18 @@ sys.exit(entrypoint.main([sys.argv[1]]))
 """
 
 
+def write_job_package(folder, secret_values: dict) -> None:
+    """A job package as the operator writes it: a small spec and the secrets file beside it."""
+    spec = {
+        "source": {"uris": "/data/in.jsonl"},
+        "prompt": {"prompt_column": "prompt", "sampling_params": {"max_tokens": 8}},
+        "processor": {"model_source": "/models/smol"},
+        "sink": {"uri": "/out/run1"},
+    }
+    (folder / "spec.json").write_text(json.dumps(spec))
+    (folder / "secrets.json").write_text(json.dumps(secret_values))
+
+
 def test_a_stopped_driver_removes_its_nodes_secrets_at_once(tmp_path):
     """Ray kills a stopped job's driver a while after its SIGTERM: the secrets on the driver's node must be
     gone before the slow part of the cleanup starts, not after it."""
@@ -142,14 +154,7 @@ def test_a_stopped_driver_removes_its_nodes_secrets_at_once(tmp_path):
     import subprocess
     import sys
 
-    spec = {
-        "source": {"uris": "/data/in.jsonl"},
-        "prompt": {"prompt_column": "prompt", "sampling_params": {"max_tokens": 8}},
-        "processor": {"model_source": "/models/smol"},
-        "sink": {"uri": "/out/run1"},
-    }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    (tmp_path / "secrets.json").write_text(json.dumps({"API_KEY": "s3cret-value", GCP_KEYFILE_JSON: "{}"}))
+    write_job_package(tmp_path, {"API_KEY": "s3cret-value", GCP_KEYFILE_JSON: "{}"})
     driver = subprocess.Popen(
         [sys.executable, "-c", _STOPPED_DRIVER, "spec.json"], cwd=tmp_path, stdout=subprocess.PIPE, text=True
     )
