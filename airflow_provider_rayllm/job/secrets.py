@@ -114,7 +114,11 @@ def cleanup(package_dir: str, timeout_s: float = 15.0) -> None:
     remove_local(package_dir)
     if not ray.is_initialized():
         ray.init(log_to_driver=False)
-    remove_package()
+    try:
+        remove_package()
+        failed = None
+    except Exception as exc:  # the other nodes' copies go all the same; the failure is then raised
+        failed = exc
     remove = ray.remote(num_cpus=0, max_retries=0)(remove_local)
     refs = [
         remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()
@@ -122,3 +126,5 @@ def cleanup(package_dir: str, timeout_s: float = 15.0) -> None:
         if node.get("Alive")
     ]
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if failed is not None:
+        raise failed
