@@ -60,14 +60,28 @@ def _rows(test_home, name: str, n: int) -> str:
     )
 
 
-def _pipeline_workers() -> list[psutil.Process]:
-    """The Ray worker processes of the HTTP stage (Ray Data names its map actors after the callable)."""
+def _cluster_processes(info, title: str) -> list[psutil.Process]:
+    """The processes of this session's Ray cluster whose title holds ``title``: descendants of its raylets,
+    told apart by their temp dir. The other pytest worker's cluster runs the same kinds of processes on
+    this machine, and a test that kills one of those fails that worker's test instead."""
+    temp_dirs = [info.temp_dir] + [node["temp_dir"] for node in info.worker_nodes or []]
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info.get("cmdline") or [])
-        if "HttpCaller" in cmdline:
-            found.append(proc)
+        if "raylet" not in cmdline or not any(f"{d.rstrip('/')}/" in cmdline for d in temp_dirs):
+            continue
+        for child in proc.children(recursive=True):
+            try:
+                if title in f"{child.name()} {' '.join(child.cmdline())}":
+                    found.append(child)
+            except psutil.Error:  # gone meanwhile
+                pass
     return found
+
+
+def _pipeline_workers(info) -> list[psutil.Process]:
+    """The Ray worker processes of the HTTP stage (Ray Data names its map actors after the callable)."""
+    return _cluster_processes(info, "HttpCaller")
 
 
 def test_a_killed_pipeline_worker_costs_time_not_rows(ray_conn, echo, test_home):
@@ -77,7 +91,7 @@ def test_a_killed_pipeline_worker_costs_time_not_rows(ray_conn, echo, test_home)
     started = time.time()
     thread, outcome = run_in_thread(op, ti)
     wait_for(lambda: _stats(echo)["total"] >= n // 4 or not thread.is_alive(), 180, "a quarter of the rows to be sent")
-    victims = _pipeline_workers()
+    victims = _pipeline_workers(ray_conn["info"])
     assert victims, "no HttpCaller worker process found while the job was sending requests"
     for proc in victims:
         os.kill(proc.pid, signal.SIGKILL)
@@ -558,14 +572,9 @@ def test_shell_metacharacters_in_templates_and_data_execute_nothing(ray_conn, ec
     record_figure("injection", shell_payloads_tried=len(payloads), executed=sum(m.exists() for m in marks))
 
 
-def _engine_cores() -> list[psutil.Process]:
-    """vLLM's engine processes (vLLM titles them ``VLLM::EngineCore``)."""
-    found = []
-    for proc in psutil.process_iter(["name", "cmdline"]):
-        title = f"{proc.info.get('name') or ''} {' '.join(proc.info.get('cmdline') or [])}"
-        if "EngineCore" in title:
-            found.append(proc)
-    return found
+def _engine_cores(info) -> list[psutil.Process]:
+    """vLLM's engine processes of this session's cluster (vLLM titles them ``VLLM::EngineCore``)."""
+    return _cluster_processes(info, "EngineCore")
 
 
 def test_a_killed_vllm_engine_is_resumed_without_recomputing_finished_rows(ray_conn, smollm2, test_home):
@@ -601,7 +610,7 @@ def test_a_killed_vllm_engine_is_resumed_without_recomputing_finished_rows(ray_c
     thread, outcome = run_in_thread(operator(), ti)
     wait_for(lambda: saved_ids() or not thread.is_alive(), 600, "the first answered rows to be written")
     assert thread.is_alive() and len(saved_ids()) < n, "the job ended before the engine could be killed"
-    cores = _engine_cores()
+    cores = _engine_cores(ray_conn["info"])
     assert cores, "no vLLM EngineCore process found while the job ran"
     for proc in cores:
         proc.kill()
