@@ -124,6 +124,28 @@ class ClusterInfo:
     def token(self) -> str:
         return Path(self.token_file).read_text().strip()
 
+    def processes(self) -> list:
+        """This cluster's processes (psutil), and no other Ray's on the machine: those naming one of its temp
+        dirs or its GCS address, and all their descendants (workers, engines)."""
+        import psutil
+
+        port = self.gcs_address.rsplit(":", 1)[1]
+        gcs_address = re.compile(rf"[0-9.]+:{port}(?![0-9])")
+        own_dirs = [self.temp_dir, *(node["temp_dir"] for node in self.worker_nodes or [])]
+        found: dict[int, psutil.Process] = {}
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(proc.info.get("cmdline") or [])
+            # Ray may name the GCS by the machine's address instead of 127.0.0.1 (the client server does).
+            if not (any(d in cmdline for d in own_dirs) or gcs_address.search(cmdline)):
+                continue
+            try:
+                found[proc.pid] = proc
+                for child in proc.children(recursive=True):
+                    found[child.pid] = child
+            except psutil.NoSuchProcess:
+                continue
+        return list(found.values())
+
     def airflow_conn_uri(self, output_base: str | None = None) -> str:
         """The ``ray_default`` connection as a JSON value for ``AIRFLOW_CONN_RAY_DEFAULT``."""
         extra: dict[str, object] = {}
@@ -335,29 +357,13 @@ class LocalRayCluster:
         info = self.info()
         if info is None:
             return
-        port = info.gcs_address.rsplit(":", 1)[1]
-        gcs_address = re.compile(rf"[0-9.]+:{port}(?![0-9])")
-        roots = []
-        for proc in psutil.process_iter(["cmdline"]):
-            cmdline = " ".join(proc.info.get("cmdline") or [])
-            own_dirs = [info.temp_dir, *(node["temp_dir"] for node in info.worker_nodes or [])]
-            # Ray may name the GCS by the machine's address instead of 127.0.0.1 (the client server does).
-            if any(d in cmdline for d in own_dirs) or gcs_address.search(cmdline):
-                roots.append(proc)
-        victims: dict[int, psutil.Process] = {}
-        for root in roots:
-            try:
-                victims[root.pid] = root
-                for child in root.children(recursive=True):
-                    victims[child.pid] = child
-            except psutil.NoSuchProcess:
-                continue
-        for proc in victims.values():
+        victims = info.processes()
+        for proc in victims:
             try:
                 proc.terminate()
             except psutil.NoSuchProcess:
                 pass
-        _, alive = psutil.wait_procs(list(victims.values()), timeout=timeout)
+        _, alive = psutil.wait_procs(victims, timeout=timeout)
         for proc in alive:
             try:
                 proc.kill()

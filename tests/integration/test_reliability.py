@@ -61,21 +61,16 @@ def _rows(test_home, name: str, n: int) -> str:
 
 
 def _cluster_processes(info, title: str) -> list[psutil.Process]:
-    """The processes of this session's Ray cluster whose title holds ``title``: descendants of its raylets,
-    told apart by their temp dir. The other pytest worker's cluster runs the same kinds of processes on
-    this machine, and a test that kills one of those fails that worker's test instead."""
-    temp_dirs = [info.temp_dir] + [node["temp_dir"] for node in info.worker_nodes or []]
+    """The processes of this session's Ray cluster whose title holds ``title``. The other pytest worker's
+    cluster runs the same kinds of processes on this machine, and a test that kills one of those fails that
+    worker's test instead."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info.get("cmdline") or [])
-        if "raylet" not in cmdline or not any(f"{d.rstrip('/')}/" in cmdline for d in temp_dirs):
-            continue
-        for child in proc.children(recursive=True):
-            try:
-                if title in f"{child.name()} {' '.join(child.cmdline())}":
-                    found.append(child)
-            except psutil.Error:  # gone meanwhile
-                pass
+    for proc in info.processes():
+        try:
+            if title in f"{proc.name()} {' '.join(proc.cmdline())}":
+                found.append(proc)
+        except psutil.Error:  # gone meanwhile
+            pass
     return found
 
 
