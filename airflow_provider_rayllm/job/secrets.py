@@ -105,20 +105,25 @@ def remove_package() -> str | None:
 def cleanup(package_dir: str, timeout_s: float = 15.0) -> None:
     """Remove the secrets from every node's copy of the job package and the package from the cluster's store.
 
-    The driver's own node and the store first (quick, so a stop's SIGKILL cannot come between); then a task
-    per live node runs in the job's own runtime env (its working directory is that node's copy of the
-    package, which a node keeps after the store's copy is gone) and deletes the files there."""
+    The driver's own node and the store first (quick, so a stop's SIGKILL cannot come between); then, even
+    when the store could not be reached, a task per live node runs in the job's own runtime env (its working
+    directory is that node's copy of the package, which a node keeps after the store's copy is gone) and
+    deletes the files there."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     remove_local(package_dir)
     if not ray.is_initialized():
         ray.init(log_to_driver=False)
     try:
         remove_package()
-        failed = None
-    except Exception as exc:  # the other nodes' copies go all the same; the failure is then raised
-        failed = exc
+    finally:
+        _remove_on_every_node(timeout_s)
+
+
+def _remove_on_every_node(timeout_s: float) -> None:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     remove = ray.remote(num_cpus=0, max_retries=0)(remove_local)
     refs = [
         remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()
@@ -126,5 +131,3 @@ def cleanup(package_dir: str, timeout_s: float = 15.0) -> None:
         if node.get("Alive")
     ]
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    if failed is not None:
-        raise failed

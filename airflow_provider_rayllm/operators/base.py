@@ -113,12 +113,16 @@ def unknown_argument(operator: str, name: str) -> str:
 _OPERATORS = {"vllm": "VLLMBatchOperator", "http": "HttpLLMBatchOperator", "upload": "ModelUploadOperator"}
 
 
+# How Ray prefixes a line a worker process printed: "(MapWorker(...) pid=12, ip=10.0.0.2) ".
+_PROCESS = r"\(.*?pid=\d+(?:, ip=[\d.]+)?\)"
+
+
 class JobLogView:
     """Which job log lines the task log shows: the driver's own lines and the workers' errors. The engine's
     chatter stays in Ray's job log, and so do the tracebacks a finished engine prints while it shuts down
     (vLLM's output handler raising EngineDeadError, Python's resource tracker missing a /psm_ segment)."""
 
-    WORKER = re.compile(r"^(?:\x1b\[\d+m)?\(.*?pid=\d+(?:, ip=[\d.]+)?\)(?:\x1b\[0m)?\s?")
+    WORKER = re.compile(rf"^(?:\x1b\[\d+m)?{_PROCESS}(?:\x1b\[0m)?\s?")
     SHUTDOWN_NOISE = ("EngineDeadError", "KeyError: '/psm_", "resource_tracker")
     # The line vLLM's engine logs just before that traceback.
     SHUTDOWN_LINES = ("AsyncLLM output_handler failed",)
@@ -154,7 +158,8 @@ class JobLogView:
 # Errors that only say a Ray worker died: the cause is an earlier error line of the job's log.
 _DEATHS = ("ActorDiedError", "RayTaskError", "WorkerCrashedError", "ActorUnschedulableError", "RaySystemError")
 _COLOR = re.compile(r"\x1b\[[0-9;]*m")
-_PREFIXES = re.compile(r"^(?:\(.*?pid=\d+(?:, ip=[\d.]+)?\)\s*|[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\]\s*)+")
+# Ray's process prefixes, then vLLM's logger prefix ("ERROR 12-04 00:40:05 [core.py:1510] ").
+_PREFIXES = re.compile(rf"^(?:{_PROCESS}\s*|[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\]\s*)+")
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)): (\S.*)$")
 
 
