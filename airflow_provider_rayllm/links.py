@@ -7,7 +7,7 @@ from urllib.parse import quote
 
 from airflow.sdk import BaseOperatorLink, BaseXCom
 
-from airflow_provider_rayllm.spec import uri_scheme
+from airflow_provider_rayllm.contract.spec import uri_scheme
 
 if TYPE_CHECKING:
     from airflow.models.taskinstancekey import TaskInstanceKey

@@ -43,10 +43,10 @@ def payload(prompt: str, max_tokens: int) -> dict:
 def run_ours(base_url: str, data: list[dict], batch_size: int, actors: int, in_flight: int, max_tokens: int) -> float:
     import ray
 
+    from airflow_provider_rayllm.contract.spec import HttpProcessorSpec
     from airflow_provider_rayllm.job.engines.base import ERROR
     from airflow_provider_rayllm.job.engines.http import HttpCaller
     from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, STASH
-    from airflow_provider_rayllm.spec import HttpProcessorSpec
 
     spec = HttpProcessorSpec(
         base_url=base_url, model=MODEL_NAME, concurrency=actors, batch_size=batch_size, max_in_flight=in_flight

@@ -4,7 +4,7 @@ pushes to XCom.
     python scripts/operator_reference.py          # rewrite the file
     python scripts/operator_reference.py --check  # exit 1 when the file is out of date
 
-Everything comes from the argument declarations (``airflow_provider_rayllm/arguments.py``: the job spec's
+Everything comes from the argument declarations (``airflow_provider_rayllm/operators/arguments.py``: the job spec's
 fields and the Airflow half's own settings); an argument without a description is an error, so a new
 argument cannot land undocumented (tests/unit/test_docs.py runs --check).
 """
@@ -58,7 +58,7 @@ def _default(argument: object) -> str:
 
 
 def render() -> str:
-    from airflow_provider_rayllm.arguments import JOB, operator_arguments
+    from airflow_provider_rayllm.operators.arguments import JOB, operator_arguments
 
     common = {a.name for a in JOB}
     ops = [

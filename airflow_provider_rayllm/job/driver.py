@@ -20,6 +20,8 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Iterator
 
+from airflow_provider_rayllm.contract.names import ERROR_COLUMN, OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT
+from airflow_provider_rayllm.contract.spec import JobSpec, PromptSpec
 from airflow_provider_rayllm.job import generations, io, manifest, resume
 from airflow_provider_rayllm.job.engines import open_engine
 from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine
@@ -28,7 +30,6 @@ from airflow_provider_rayllm.job.progress import ProgressLog, Tap
 from airflow_provider_rayllm.job.requests import RequestStage
 from airflow_provider_rayllm.job.sinks.files import ERRORS, OUTPUTS, ResultSink, totals
 from airflow_provider_rayllm.job.sources import open_input
-from airflow_provider_rayllm.spec import ERROR_COLUMN, OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, JobSpec, PromptSpec
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 

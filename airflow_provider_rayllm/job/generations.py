@@ -17,8 +17,8 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from airflow_provider_rayllm.contract.spec import JobSpec, RunSpec
 from airflow_provider_rayllm.job import io
-from airflow_provider_rayllm.spec import JobSpec, RunSpec
 
 GENERATIONS = "_generations"
 _NAME = re.compile(

@@ -9,9 +9,9 @@ from typing import Any, Mapping
 
 import pyarrow.fs as pafs
 
-from airflow_provider_rayllm import storage
+from airflow_provider_rayllm.contract import storage
+from airflow_provider_rayllm.contract.spec import uri_scheme
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.spec import uri_scheme
 
 
 def filesystem_for(uri: str, env: Mapping[str, str] | None = None) -> tuple[pafs.FileSystem, str]:

@@ -7,9 +7,10 @@ from datetime import datetime, timezone
 from typing import Any, Mapping
 
 from airflow_provider_rayllm import __version__
-from airflow_provider_rayllm.contract import Manifest
+from airflow_provider_rayllm.contract.manifest import Manifest
+from airflow_provider_rayllm.contract.names import MANIFEST_LOG_PREFIX, MANIFEST_NAME, MANIFEST_VERSION
+from airflow_provider_rayllm.contract.spec import JobSpec
 from airflow_provider_rayllm.job import io
-from airflow_provider_rayllm.spec import MANIFEST_LOG_PREFIX, MANIFEST_NAME, MANIFEST_VERSION, JobSpec
 
 
 def manifest_uri(output_uri: str) -> str:

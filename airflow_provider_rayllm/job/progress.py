@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from airflow_provider_rayllm.contract import Progress
+from airflow_provider_rayllm.contract.progress import Progress
 
 INTERVAL_S = 10.0
 # A line at least this often even when nothing changed (an engine starting, a slow first batch).

@@ -13,8 +13,8 @@ import math
 import os
 from typing import Any, Callable
 
+from airflow_provider_rayllm.contract.spec import CallableRef, PromptSpec
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.spec import CallableRef, PromptSpec
 
 # Columns the job carries through Ray's stages; input columns are stashed so the engine's own
 # output columns (``prompt``, ``messages``...) cannot overwrite them.

@@ -18,7 +18,7 @@ import os
 import stat
 import tempfile
 
-from airflow_provider_rayllm.contract import GCP_KEYFILE_JSON, SECRETS_FILE
+from airflow_provider_rayllm.contract.names import GCP_KEYFILE_JSON, SECRETS_FILE
 
 # A service-account key travels as JSON text and becomes a 0600 file for the Google clients.
 GCP_KEYFILE_NAME = "gcp-keyfile.json"

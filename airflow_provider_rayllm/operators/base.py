@@ -21,25 +21,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from airflow.sdk import BaseOperator, conf
 
-from airflow_provider_rayllm import arguments as args_mod
-from airflow_provider_rayllm.arguments import Argument
-from airflow_provider_rayllm.contract import (
+from airflow_provider_rayllm.contract.names import (
     ENTRYPOINT,
+    ERROR_LOG_PREFIX,
+    MANIFEST_LOG_PREFIX,
     SECRETS_FILE,
     SETUP_HOOK,
     SPEC_FILE,
-    describe_progress,
-    parse_progress,
-    redact,
-    secret_env_vars,
 )
-from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayLLMError
-from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, OutageClock, RayJobHook, lost_message
-from airflow_provider_rayllm.links import RayJobLink
-from airflow_provider_rayllm.operators import credentials
-from airflow_provider_rayllm.spec import (
-    ERROR_LOG_PREFIX,
-    MANIFEST_LOG_PREFIX,
+from airflow_provider_rayllm.contract.progress import describe_progress, parse_progress
+from airflow_provider_rayllm.contract.secrets import redact, secret_env_vars
+from airflow_provider_rayllm.contract.spec import (
     AnySpec,
     RunSpec,
     SpecError,
@@ -47,6 +39,12 @@ from airflow_provider_rayllm.spec import (
     uri_scheme,
     validate_body,
 )
+from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayLLMError
+from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, OutageClock, RayJobHook, lost_message
+from airflow_provider_rayllm.links import RayJobLink
+from airflow_provider_rayllm.operators import arguments as args_mod
+from airflow_provider_rayllm.operators import credentials
+from airflow_provider_rayllm.operators.arguments import Argument
 from airflow_provider_rayllm.triggers.ray_job import RayJobTrigger
 
 if TYPE_CHECKING:
@@ -549,7 +547,7 @@ class RayJobOperator(BaseOperator):
         manifest: dict[str, Any] | None = None
         if output_uri:
             try:
-                from airflow_provider_rayllm.storage import read_manifest
+                from airflow_provider_rayllm.contract.storage import read_manifest
 
                 manifest = read_manifest(output_uri, {**os.environ, **self.job_secrets()})
             except Exception as exc:  # e.g. a path only the cluster can see

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from airflow_provider_rayllm.contract import SINK_SQL_URI_ENV, SQL_URI_ENV
+from airflow_provider_rayllm.contract.names import SINK_SQL_URI_ENV, SQL_URI_ENV
+from airflow_provider_rayllm.contract.spec import RunSpec, SpecError
 from airflow_provider_rayllm.links import OUTPUT_URL_XCOM, OutputLink, RayJobLink, output_browser_url
 from airflow_provider_rayllm.operators import credentials
 from airflow_provider_rayllm.operators.base import RayJobOperator, default_output_uri
-from airflow_provider_rayllm.spec import RunSpec, SpecError
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -79,7 +79,7 @@ class BatchOperator(RayJobOperator):
         return default_output_uri(base, run.dag_id, run.run_id, run.task_id, run.map_index)
 
     def already_published(self, spec: Any) -> dict[str, Any] | None:
-        from airflow_provider_rayllm.storage import read_manifest
+        from airflow_provider_rayllm.contract.storage import read_manifest
 
         try:
             manifest = read_manifest(spec.sink.uri, {**os.environ, **self.job_secrets()})

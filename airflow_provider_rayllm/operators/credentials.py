@@ -10,7 +10,7 @@ from typing import Any
 
 from airflow.sdk import BaseHook
 
-from airflow_provider_rayllm.contract import GCP_KEYFILE_JSON
+from airflow_provider_rayllm.contract.names import GCP_KEYFILE_JSON
 from airflow_provider_rayllm.exceptions import InvalidSpec
 
 
@@ -82,7 +82,7 @@ def sql_source(conn_id: str) -> tuple[str, dict[str, str]]:
     """(dialect, secret env) for an Airflow SQL connection; the URI with its password is a job secret."""
     from urllib.parse import quote
 
-    from airflow_provider_rayllm.contract import SQL_URI_ENV
+    from airflow_provider_rayllm.contract.names import SQL_URI_ENV
 
     conn = BaseHook.get_connection(conn_id)
     dialect = _DIALECTS.get((conn.conn_type or "").lower())

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseHook
 
-from airflow_provider_rayllm import arguments
-from airflow_provider_rayllm.contract import HTTP_API_KEY_ENV, HTTP_USERINFO_ENV
+from airflow_provider_rayllm.contract.names import HTTP_API_KEY_ENV, HTTP_USERINFO_ENV
 from airflow_provider_rayllm.exceptions import InvalidSpec
+from airflow_provider_rayllm.operators import arguments
 from airflow_provider_rayllm.operators.batch import BatchOperator
 
 if TYPE_CHECKING:

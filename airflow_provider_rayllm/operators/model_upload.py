@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_provider_rayllm import arguments
+from airflow_provider_rayllm.contract.spec import RunSpec, is_local_path, uri_scheme
+from airflow_provider_rayllm.operators import arguments
 from airflow_provider_rayllm.operators.base import RayJobOperator
-from airflow_provider_rayllm.spec import RunSpec, is_local_path, uri_scheme
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

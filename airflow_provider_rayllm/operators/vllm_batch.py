@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_provider_rayllm import arguments
-from airflow_provider_rayllm.contract import ENGINE_SECRET_ENV, secret_env_vars, split_secrets
+from airflow_provider_rayllm.contract.names import ENGINE_SECRET_ENV
+from airflow_provider_rayllm.contract.secrets import secret_env_vars, split_secrets
+from airflow_provider_rayllm.contract.spec import SpecError, map_guide_flags
+from airflow_provider_rayllm.operators import arguments
 from airflow_provider_rayllm.operators.batch import BatchOperator
-from airflow_provider_rayllm.spec import SpecError, map_guide_flags
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_provider_rayllm.contract import describe_progress, last_progress
+from airflow_provider_rayllm.contract.progress import describe_progress, last_progress
 from airflow_provider_rayllm.hooks.ray_job import TERMINAL_STATES, OutageClock, RayJobHook, lost_message
 
 

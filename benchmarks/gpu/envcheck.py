@@ -190,7 +190,7 @@ def main() -> int:
         import pkgutil
 
         before = set(sys.modules)
-        importlib.import_module("airflow_provider_rayllm.spec")
+        importlib.import_module("airflow_provider_rayllm.contract.spec")
         job = importlib.import_module("airflow_provider_rayllm.job")
         main_src = os.path.join(os.path.dirname(job.__file__), "__main__.py")
         needed = sorted(

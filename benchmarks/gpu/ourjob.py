@@ -45,6 +45,7 @@ def operator_entrypoint() -> str:
 def contract_name(name: str, default: str) -> str:
     """A name both halves share (contract.py, or where it lived before), without importing Airflow."""
     for module in (
+        "airflow_provider_rayllm.contract.names",
         "airflow_provider_rayllm.contract",
         "airflow_provider_rayllm.job.secrets",
         "airflow_provider_rayllm.spec",
@@ -240,7 +241,7 @@ def main() -> int:
         res["avg_prompt_tokens_raw"] = avg_in
 
         # The spec, through the project's own model.
-        from airflow_provider_rayllm.spec import JobSpec
+        from airflow_provider_rayllm.contract.spec import JobSpec
 
         stamp = time.strftime("%Y%m%d-%H%M%S")
         sink = f"/tmp/out-{args.phase}-{stamp}"

@@ -47,8 +47,8 @@ def _gpu_used_mib() -> list[int]:
 def _submit(dashboard: str, body: dict, package: Path) -> tuple[str, str]:
     from ray.job_submission import JobSubmissionClient
 
-    from airflow_provider_rayllm.contract import ENTRYPOINT, SETUP_HOOK, SPEC_FILE
-    from airflow_provider_rayllm.spec import JobSpec
+    from airflow_provider_rayllm.contract.names import ENTRYPOINT, SETUP_HOOK, SPEC_FILE
+    from airflow_provider_rayllm.contract.spec import JobSpec
 
     spec = JobSpec.model_validate(body)
     package.mkdir(parents=True)
@@ -76,8 +76,8 @@ def _submit(dashboard: str, body: dict, package: Path) -> tuple[str, str]:
 
 def test_the_gpu_profile_picks_itself_sizes_the_engine_and_frees_the_gpu(tmp_path):
     dashboard, model = _settings()
+    from airflow_provider_rayllm.contract.storage import read_manifest
     from airflow_provider_rayllm.job.engines.vllm import BIG_GPU_ENGINE_LIMITS, GPU_ENGINE_DEFAULTS, GpuCard
-    from airflow_provider_rayllm.storage import read_manifest
 
     source = tmp_path / "rows.jsonl"
     with source.open("w") as f:

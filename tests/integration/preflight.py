@@ -15,10 +15,10 @@ import sys
 def main(folders: list[str]) -> int:
     import ray
 
-    from airflow_provider_rayllm.contract import SPEC_FILE
+    from airflow_provider_rayllm.contract.names import SPEC_FILE
+    from airflow_provider_rayllm.contract.spec import SpecError, parse_spec
     from airflow_provider_rayllm.job import compat, driver
     from airflow_provider_rayllm.job.errors import JobError
-    from airflow_provider_rayllm.spec import SpecError, parse_spec
 
     compat.install()
     ray.init(log_to_driver=False)

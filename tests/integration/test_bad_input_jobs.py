@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_provider_rayllm.storage import read_manifest
+from airflow_provider_rayllm.contract.storage import read_manifest
 from tests.integration.helpers import StandInTI, echo_connection, echo_operator, read_rows, write_jsonl
 
 pytestmark = pytest.mark.integration

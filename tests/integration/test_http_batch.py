@@ -95,7 +95,7 @@ def test_a_429_storm_loses_no_row_and_keeps_under_the_qps_cap(
     assert all(r["response"] == f"echo: row {r['id']}" for r in out)
     assert max(r["attempts"] for r in out) > 1, "the storm must have been felt"
     # The job log says how far the rows got; the last progress line counts every row and token.
-    from airflow_provider_rayllm.contract import parse_progress
+    from airflow_provider_rayllm.contract.progress import parse_progress
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
 
     logs = RayJobHook().get_job_logs(manifest["submission_id"])

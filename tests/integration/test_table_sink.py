@@ -12,7 +12,7 @@ import sqlite3
 import pyarrow as pa
 import pytest
 
-from airflow_provider_rayllm.contract import SINK_SQL_URI_ENV
+from airflow_provider_rayllm.contract.names import SINK_SQL_URI_ENV
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.sinks import table as table_sink
 from airflow_provider_rayllm.job.sources.sql import connect

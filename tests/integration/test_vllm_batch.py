@@ -168,7 +168,7 @@ def test_example_dag_runs_the_guides_quickstart(quickstart_run, ray_conn):
     answers = {r["prompt"]: r["response"] for r in quickstart_run["rows"]}
     assert "paris" in answers["What is the capital of France?"].lower()
     # The job log's progress lines (which the task log shows) end with every row and token counted.
-    from airflow_provider_rayllm.contract import last_progress
+    from airflow_provider_rayllm.contract.progress import last_progress
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
 
     last = last_progress(RayJobHook().get_job_logs(manifest["submission_id"]))
@@ -247,7 +247,7 @@ def test_the_drivers_preflight_refuses_each_bad_engine_setting(ray_conn, smollm2
     import subprocess
     import sys
 
-    from airflow_provider_rayllm.contract import SPEC_FILE
+    from airflow_provider_rayllm.contract.names import SPEC_FILE
     from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
 
     input_uri = write_jsonl(test_home / "inputs" / "small.jsonl", [{"id": 1, "prompt": "hi"}])

@@ -6,7 +6,7 @@ import importlib
 
 
 def test_the_setup_hook_named_in_the_runtime_env_is_importable():
-    from airflow_provider_rayllm.contract import SETUP_HOOK
+    from airflow_provider_rayllm.contract.names import SETUP_HOOK
 
     module, _, name = SETUP_HOOK.rpartition(".")
     assert callable(getattr(importlib.import_module(module), name))

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from airflow_provider_rayllm.contract import GCP_KEYFILE_JSON
+from airflow_provider_rayllm.contract.names import GCP_KEYFILE_JSON
 from airflow_provider_rayllm.exceptions import InvalidSpec
 from airflow_provider_rayllm.job.secrets import load_into_env, scrub
 from airflow_provider_rayllm.operators import credentials
@@ -103,7 +103,7 @@ def test_secrets_file_loads_into_env_and_keyfile_becomes_private_file(tmp_path, 
 
 
 def test_secret_names_are_hidden_and_token_counts_are_shown():
-    from airflow_provider_rayllm.contract import redact
+    from airflow_provider_rayllm.contract.secrets import redact
 
     shown = redact(
         {

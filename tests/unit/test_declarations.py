@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from pydantic import Field
 
-from airflow_provider_rayllm import arguments, spec
+from airflow_provider_rayllm.contract import spec
+from airflow_provider_rayllm.operators import arguments
 from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
 from airflow_provider_rayllm.operators.model_upload import ModelUploadOperator
 from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator

@@ -1,7 +1,7 @@
 """Engine settings the job derives before any engine starts."""
 
+from airflow_provider_rayllm.contract.spec import VLLMProcessorSpec
 from airflow_provider_rayllm.job.engines import vllm as vllm_pipeline
-from airflow_provider_rayllm.spec import VLLMProcessorSpec
 
 
 def spec(**kw):
@@ -220,7 +220,7 @@ def test_a_refusal_the_cluster_answers_comes_before_vllm_is_imported(tmp_path):
         ray.cluster_resources = lambda: {{"CPU": 2.0, "accelerator_type:L4": 1.0}}
         from airflow_provider_rayllm.job.engines.vllm import VLLMEngine
         from airflow_provider_rayllm.job.errors import JobError
-        from airflow_provider_rayllm.spec import parse_spec
+        from airflow_provider_rayllm.contract.spec import parse_spec
         spec = parse_spec({{
             "source": {{"uris": "/data/in.jsonl"}},
             "prompt": {{"prompt_column": "prompt"}},

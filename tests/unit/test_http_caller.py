@@ -6,10 +6,10 @@ import threading
 import numpy as np
 from aiohttp import web
 
+from airflow_provider_rayllm.contract.spec import HttpProcessorSpec
 from airflow_provider_rayllm.job.engines.base import ERROR
 from airflow_provider_rayllm.job.engines.http import RESPONSE, TOKENS_OUT, HttpCaller
 from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, STASH
-from airflow_provider_rayllm.spec import HttpProcessorSpec
 
 
 def test_batch_from_a_plain_thread():

@@ -9,9 +9,9 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from airflow_provider_rayllm.contract.spec import HttpProcessorSpec
 from airflow_provider_rayllm.job.engines.http import payload_for
 from airflow_provider_rayllm.job.engines.http_client import EndpointClient, RateLimiter, parse_retry_after
-from airflow_provider_rayllm.spec import HttpProcessorSpec
 from tests.unit.local_http import start_app
 
 

@@ -2,10 +2,10 @@
 
 import pytest
 
+from airflow_provider_rayllm.contract.spec import FileSource
 from airflow_provider_rayllm.job import generations, io
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.sources import files as source_files
-from airflow_provider_rayllm.spec import FileSource
 
 
 def touch(path, text="x"):
@@ -71,7 +71,7 @@ def test_columns_and_emptiness_come_from_heads_and_footers(tmp_path):
 
 
 def _spec(run_id="manual__1", task_id="t"):
-    from airflow_provider_rayllm.spec import parse_spec
+    from airflow_provider_rayllm.contract.spec import parse_spec
 
     return parse_spec(
         {
@@ -107,7 +107,7 @@ def test_each_attempt_gets_a_generation_of_its_own_and_only_this_task_instances_
 
 
 def test_task_instance_keys_are_distinct_where_a_folder_name_would_not_be():
-    from airflow_provider_rayllm.spec import RunSpec
+    from airflow_provider_rayllm.contract.spec import RunSpec
 
     keys = {
         generations.task_instance_key(RunSpec(dag_id="d", run_id=r, task_id="t"))

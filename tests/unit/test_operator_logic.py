@@ -397,7 +397,7 @@ def test_engine_settings_beside_a_serve_deployment_are_refused(tmp_path, setting
 
 
 def test_a_serve_job_needs_its_own_section():
-    from airflow_provider_rayllm.spec import SpecError, parse_spec
+    from airflow_provider_rayllm.contract.spec import SpecError, parse_spec
 
     body = {
         "kind": "serve",
@@ -471,7 +471,7 @@ def test_a_job_error_raised_in_a_stage_actor_is_found_in_rays_text():
     assert str(job_error_in(wrapped)) == "id_column 'id' must be unique per row: 2 appears more than once"
     assert job_error_in(RuntimeError("something else")) is None
 
-    from airflow_provider_rayllm.spec import JobSpec
+    from airflow_provider_rayllm.contract.spec import JobSpec
 
     spec = JobSpec.model_validate(
         {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from airflow_provider_rayllm.contract import Progress, describe_progress, last_progress, parse_progress
+from airflow_provider_rayllm.contract.progress import Progress, describe_progress, last_progress, parse_progress
 from airflow_provider_rayllm.job import progress
 
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from airflow_provider_rayllm.contract.spec import PromptSpec
 from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, STASH, RequestBuilder
-from airflow_provider_rayllm.spec import PromptSpec
 
 
 def build(prompt: dict, task_type="generate", keep=("id", "q")):
@@ -212,8 +212,8 @@ def test_a_bad_image_cell_is_refused_with_its_reason(cell, message):
 def test_the_image_goes_before_the_text_in_the_user_message_and_a_bad_one_is_an_error_row(tmp_path):
     import json as _json
 
+    from airflow_provider_rayllm.contract.spec import PromptSpec
     from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, RequestBuilder
-    from airflow_provider_rayllm.spec import PromptSpec
 
     prompt = PromptSpec(prompt_column="q", image_column="img", system_prompt="Be brief.")
     builder = RequestBuilder(prompt, "generate", ["id"], str(tmp_path))
@@ -229,7 +229,7 @@ def test_the_image_goes_before_the_text_in_the_user_message_and_a_bad_one_is_an_
 
 
 def test_image_column_is_for_generation_with_a_prompt_column_or_template():
-    from airflow_provider_rayllm.spec import PromptSpec, SpecError, parse_spec
+    from airflow_provider_rayllm.contract.spec import PromptSpec, SpecError, parse_spec
 
     with pytest.raises(ValueError, match="image_column works with prompt_column or template"):
         PromptSpec(messages_column="m", image_column="img")

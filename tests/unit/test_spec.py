@@ -2,7 +2,7 @@
 
 import pytest
 
-from airflow_provider_rayllm.spec import JobSpec, SpecError, map_guide_flags, parse_spec
+from airflow_provider_rayllm.contract.spec import JobSpec, SpecError, map_guide_flags, parse_spec
 
 
 def body(**overrides):

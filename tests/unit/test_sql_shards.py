@@ -9,9 +9,9 @@ import sqlite3
 
 import pytest
 
+from airflow_provider_rayllm.contract.spec import SqlSource
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.sources import sql
-from airflow_provider_rayllm.spec import SqlSource
 
 ROWS = 400
 TABLE = f"rayllm_shards_{os.getpid()}"

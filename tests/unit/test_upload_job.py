@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from airflow_provider_rayllm.contract.spec import SpecError, UploadJobSpec, parse_spec
 from airflow_provider_rayllm.job import upload
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.spec import SpecError, UploadJobSpec, parse_spec
 
 
 def model(tmp_path, name="m", weights=b"w" * 1000):

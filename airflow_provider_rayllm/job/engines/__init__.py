@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from airflow_provider_rayllm.contract.spec import JobSpec
 from airflow_provider_rayllm.job.engines.base import Engine
-from airflow_provider_rayllm.spec import JobSpec
 
 
 def open_engine(spec: JobSpec, package_dir: str) -> Engine:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from airflow_provider_rayllm.contract import redact
+from airflow_provider_rayllm.contract.secrets import redact
 
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from airflow_provider_rayllm.contract.spec import JobSpec, ServeProcessorSpec
 from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine, Shaper, count, plain
 from airflow_provider_rayllm.job.engines.http import extract, openai_body
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST
-from airflow_provider_rayllm.spec import JobSpec, ServeProcessorSpec
 
 # Our endpoint names -> (the Serve LLM server's method, its request class, the HTTP pipeline's endpoint)
 METHODS = {

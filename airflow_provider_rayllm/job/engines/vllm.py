@@ -11,12 +11,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from airflow_provider_rayllm.contract import SECRET_MARKER, redact
+from airflow_provider_rayllm.contract.names import SECRET_MARKER
+from airflow_provider_rayllm.contract.secrets import redact
+from airflow_provider_rayllm.contract.spec import JobSpec, VLLMProcessorSpec, is_local_path, uri_scheme
 from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine, Shaper, count, plain
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.progress import column_sum
 from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, LoraRouting
-from airflow_provider_rayllm.spec import JobSpec, VLLMProcessorSpec, is_local_path, uri_scheme
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 

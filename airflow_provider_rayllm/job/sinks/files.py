@@ -17,10 +17,10 @@ from typing import Any, Iterable
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
+from airflow_provider_rayllm.contract.names import ERROR_COLUMN
 from airflow_provider_rayllm.job import io
 from airflow_provider_rayllm.job.engines.base import Shaper, plain
 from airflow_provider_rayllm.job.requests import STASH
-from airflow_provider_rayllm.spec import ERROR_COLUMN
 
 OUTPUTS = "outputs"
 ERRORS = "errors"

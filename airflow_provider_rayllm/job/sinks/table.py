@@ -16,7 +16,7 @@ import re
 from datetime import date, datetime
 from typing import Any
 
-from airflow_provider_rayllm.contract import SINK_SQL_URI_ENV
+from airflow_provider_rayllm.contract.names import SINK_SQL_URI_ENV
 from airflow_provider_rayllm.job import io
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.sources.sql import connect

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from airflow_provider_rayllm.contract.spec import JobSpec, RowsSource, SqlSource
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.spec import JobSpec, RowsSource, SqlSource
 
 
 @dataclass

@@ -11,9 +11,9 @@ import os
 import urllib.parse
 from typing import Any
 
-from airflow_provider_rayllm.contract import SQL_URI_ENV
+from airflow_provider_rayllm.contract.names import SQL_URI_ENV
+from airflow_provider_rayllm.contract.spec import SqlSource
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.spec import SqlSource
 
 
 def connect(dialect: str, env_name: str = SQL_URI_ENV) -> Any:

@@ -1,6 +1,6 @@
 """Every operator argument, declared once.
 
-Arguments that end up in the job spec are the spec's own fields (``spec.py``): their name as an argument,
+Arguments that end up in the job spec are the spec's own fields (``contract/spec.py``): their name as an argument,
 default, description and whether Airflow renders them come from the field (``spec.arg``). Arguments the
 Airflow half keeps for itself (connections, waiting) are the fields of the small models below. An
 operator lists the groups it takes; its signature, ``template_fields``, renderers and docs/OPERATORS.md are
@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from airflow_provider_rayllm import spec
+from airflow_provider_rayllm.contract import spec
 
 REQUIRED = inspect.Parameter.empty
 

@@ -1,4 +1,4 @@
-"""The job contract: the only thing the Airflow half and the Ray half share.
+"""The job spec: what the operator asks the job to do, validated on both sides.
 
 Imports neither Airflow nor Ray, so the operator, the job and the tests can all use it.
 Unknown keys are errors that name the key; every field says what it is for.
@@ -14,17 +14,7 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SPEC_VERSION = 1
-MANIFEST_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-MANIFEST_LOG_PREFIX = "RAYLLM_MANIFEST "
-ERROR_LOG_PREFIX = "RAYLLM_ERROR "
-PROGRESS_LOG_PREFIX = "RAYLLM_PROGRESS "
-
-# Columns our job adds to every output row; input columns with these names are refused.
-OUTPUT_TOKENS_IN = "num_input_tokens"
-OUTPUT_TOKENS_OUT = "num_generated_tokens"
-ERROR_COLUMN = "error"
+from airflow_provider_rayllm.contract.names import ERROR_COLUMN, OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, SPEC_VERSION
 
 FileFormat = Literal["parquet", "jsonl", "csv"]
 SinkFormat = Literal["parquet", "jsonl"]

@@ -9,8 +9,8 @@ import json
 import os
 from typing import Any, Mapping
 
-from airflow_provider_rayllm.contract import MANIFEST_NAME
-from airflow_provider_rayllm.spec import uri_scheme
+from airflow_provider_rayllm.contract.names import MANIFEST_NAME
+from airflow_provider_rayllm.contract.spec import uri_scheme
 
 
 class StorageError(ValueError):

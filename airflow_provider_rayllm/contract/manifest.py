@@ -1,0 +1,55 @@
+"""The manifest: what a finished job published, written last under its output prefix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from airflow_provider_rayllm.contract.names import MANIFEST_VERSION
+
+
+class OutputFile(BaseModel):
+    uri: str
+    rows: int
+    bytes: int
+
+
+class Manifest(BaseModel):
+    """What a finished batch job published (``manifest.json`` under ``output_uri``, written last), and what
+    the operator returns through XCom: locations and figures, never rows. Engine-specific details (the
+    resolved engine settings, the endpoint, cost) come as further keys."""
+
+    model_config = ConfigDict(extra="allow")
+
+    manifest_version: int = MANIFEST_VERSION
+    status: str = "SUCCEEDED"
+    submission_id: str = Field(description="The Ray job's submission id.")
+    generation: str = Field(description="The folder under output_uri/_generations that this manifest publishes.")
+    spec_hash: str
+    output_uri: str = Field(description="The task's output prefix (the operator's output_uri).")
+    outputs_folder: str = Field(description="Folder of the published output files.")
+    errors_folder: str = Field(
+        description="Folder of the published error files (one row per failed input row, with its reason)."
+    )
+    format: str
+    output_files: list[OutputFile]
+    error_files: list[OutputFile]
+    rows_in: int
+    rows_out: int
+    rows_errored: int
+    rows_resumed: int = 0
+    errors_by_reason: dict[str, int] = Field(default_factory=dict)
+    input_tokens: int
+    output_tokens: int
+    wall_time_s: float
+    first_output_s: float | None = None
+    timeline: dict[str, float | None] = Field(default_factory=dict)
+    started_at: str
+    finished_at: str
+    kind: str
+    model: str
+    task_type: str
+    versions: dict[str, str]
+    run: dict[str, Any]
+    output_table: dict[str, Any] | None = None

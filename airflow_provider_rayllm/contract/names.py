@@ -1,0 +1,36 @@
+"""Names both halves must agree on: files in the job package, environment variables that carry secrets,
+the prefixes of the log lines the job prints for the operator, and the columns the job adds to every row."""
+
+from __future__ import annotations
+
+SPEC_VERSION = 1
+MANIFEST_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+# Files in the job package (the Ray job's working_dir).
+SPEC_FILE = "spec.json"
+# What the operator submits: the job half's command, run in the folder that holds SPEC_FILE.
+ENTRYPOINT = f"python -m airflow_provider_rayllm.job {SPEC_FILE}"
+SECRETS_FILE = "secrets.json"
+# Every worker process of a job runs this first: it loads the secrets file into its own environment.
+SETUP_HOOK = "airflow_provider_rayllm.job.worker_setup.setup"
+
+# Secrets, as environment variables of the job's processes (loaded from the secrets file).
+SQL_URI_ENV = "RAYLLM_SQL_URI"  # the source database, with its password
+SINK_SQL_URI_ENV = "RAYLLM_SINK_SQL_URI"  # the output table's database
+HTTP_API_KEY_ENV = "RAYLLM_HTTP_API_KEY"  # the OpenAI-compatible endpoint's key
+HTTP_USERINFO_ENV = "RAYLLM_HTTP_USERINFO"  # user:password from the endpoint's URL
+GCP_KEYFILE_JSON = "RAYLLM_GCP_KEYFILE_JSON"  # a service-account key as JSON text
+# A secret-looking engine setting travels as RAYLLM_ENGINE_SECRET_<NAME>; the spec holds SECRET_MARKER.
+ENGINE_SECRET_ENV = "RAYLLM_ENGINE_SECRET_"
+SECRET_MARKER = "$secret"
+
+# Lines the job prints for the operator to read from its log.
+MANIFEST_LOG_PREFIX = "RAYLLM_MANIFEST "
+ERROR_LOG_PREFIX = "RAYLLM_ERROR "
+PROGRESS_LOG_PREFIX = "RAYLLM_PROGRESS "
+
+# Columns our job adds to every output row; input columns with these names are refused.
+OUTPUT_TOKENS_IN = "num_input_tokens"
+OUTPUT_TOKENS_OUT = "num_generated_tokens"
+ERROR_COLUMN = "error"
