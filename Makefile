@@ -15,6 +15,7 @@ demo: setup
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) -m pytest tests -m "not gpu" -v -p no:cacheprovider --timeout=1800 -ra --durations=30 \
 		-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 

@@ -1,9 +1,10 @@
 """What every operator of this package shares: declared arguments, submit or re-attach, wait (deferred or
 not), read the manifest.
 
-An operator lists its argument groups (``arguments.py``) in ``arguments``; its ``__init__``,
-``template_fields`` and renderers are made from that list here. A subclass turns its rendered arguments
-into a job spec (``spec_body``) and says what it pushes when the job succeeded (``publish``).
+An operator writes its typed parameters in its ``__init__`` and lists their declarations (``arguments.py``)
+in ``arguments``; ``template_fields`` and renderers are made from that list here. A subclass turns its
+rendered arguments into a job spec (``spec_body``) and says what it pushes when the job succeeded
+(``publish``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import tempfile
 import time
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
 from airflow.sdk import BaseOperator, conf
+from typing_extensions import Unpack
 
 from airflow_provider_rayllm.contract.names import (
     ENTRYPOINT,
@@ -45,6 +47,7 @@ from airflow_provider_rayllm.links import RayJobLink
 from airflow_provider_rayllm.operators import arguments as args_mod
 from airflow_provider_rayllm.operators import credentials
 from airflow_provider_rayllm.operators.arguments import Argument
+from airflow_provider_rayllm.operators.task_args import BaseOperatorArgs
 from airflow_provider_rayllm.triggers.ray_job import RayJobTrigger
 
 if TYPE_CHECKING:
@@ -58,45 +61,12 @@ METADATA_CLEAR_NUMBER = "airflow_clear_number"
 _BASE_OPERATOR_ARGS = frozenset(p for p in inspect.signature(BaseOperator.__init__).parameters if p != "self")
 
 
-def _declared_init(cls: type, declared: Sequence[Argument]) -> Any:
-    """``__init__`` for an operator that takes ``declared`` (keyword only) plus BaseOperator's arguments; the
-    signature is real, so Airflow's default_args and task mapping see every argument."""
-
-    def __init__(self: BaseOperator, **kwargs: Any) -> None:
-        kwargs_names = set(kwargs)
-        values = {}
-        for argument in declared:
-            if argument.name in kwargs:
-                values[argument.attr] = kwargs.pop(argument.name)
-            elif argument.required:
-                raise TypeError(
-                    f"{cls.__name__} (task_id {kwargs.get('task_id')!r}): missing argument {argument.name!r}"
-                )
-            else:
-                values[argument.attr] = argument.fresh_default()
-        for name in kwargs:
-            if name not in _BASE_OPERATOR_ARGS:
-                raise TypeError(unknown_argument(cls.__name__, name))
-        given = frozenset(a.name for a in declared if a.attr in values and a.name in kwargs_names)
-        BaseOperator.__init__(self, **kwargs)
-        for attr, value in values.items():
-            setattr(self, attr, value)
-        self.arguments_given = given  # what the DAG said, as opposed to defaults
-        self._submission_id = None
-
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    params += [
-        inspect.Parameter(
-            a.name,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=inspect.Parameter.empty if a.required else a.signature_default(),
-        )
-        for a in declared
-    ]
-    params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
-    __init__.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    __init__.__qualname__ = f"{cls.__name__}.__init__"
-    return __init__
+def refuse_unknown(operator: str, kwargs: Mapping[str, Any]) -> None:
+    """A TypeError for the first argument that neither this operator nor BaseOperator takes, naming the operator
+    that does take it (Airflow's own error would only say that it is invalid)."""
+    for name in kwargs:
+        if name not in _BASE_OPERATOR_ARGS:
+            raise TypeError(unknown_argument(operator, name))
 
 
 def unknown_argument(operator: str, name: str) -> str:
@@ -210,9 +180,17 @@ def submission_base_id(dag_id: str, run_id: str, task_id: str, map_index: int, s
 
 
 class RayJobOperator(BaseOperator):
-    """Runs one job of this package on Ray and returns its manifest."""
+    """Runs one job of this package on Ray and returns its manifest.
+
+    Each concrete operator writes its parameters, typed, in its ``__init__`` and lists their declarations
+    (description, templated or not, where the value goes in the job spec) in ``arguments``;
+    ``template_fields``, the renderers and docs/OPERATORS.md come from those declarations, and a unit test
+    checks that the signature and the declarations agree. The job's own parameters below reach a subclass
+    through ``**kwargs`` (``RayJobArgs``).
+    """
 
     arguments: ClassVar[tuple[Argument, ...]] = args_mod.JOB
+    template_fields: Sequence[str] = tuple(a.attr for a in args_mod.JOB if a.templated)
     operator_extra_links = (RayJobLink(),)
     ui_color = "#e0f0ff"
 
@@ -221,7 +199,37 @@ class RayJobOperator(BaseOperator):
         if "arguments" in cls.__dict__:
             cls.template_fields = tuple(a.attr for a in cls.arguments if a.templated)
             cls.template_fields_renderers = {a.attr: a.renderer for a in cls.arguments if a.templated and a.renderer}
-            cls.__init__ = _declared_init(cls, cls.arguments)  # type: ignore[method-assign]
+
+    def __init__(
+        self,
+        *,
+        ray_conn_id: str = "ray_default",
+        deferrable: bool | None = None,
+        poll_interval: float = 5.0,
+        unreachable_timeout: float = 600.0,
+        job_runtime_env: dict[str, Any] | None = None,
+        ship_package: bool = True,
+        aws_conn_id: str | None = None,
+        gcp_conn_id: str | None = None,
+        hf_conn_id: str | None = None,
+        entrypoint_num_cpus: float | None = None,
+        entrypoint_resources: dict[str, float] | None = None,
+        **kwargs: Unpack[BaseOperatorArgs],
+    ) -> None:
+        refuse_unknown(type(self).__name__, kwargs)
+        super().__init__(**kwargs)
+        self.take_arguments(locals())
+        self._submission_id: str | None = None
+
+    def take_arguments(self, values: Mapping[str, Any]) -> None:
+        """Keep the declared arguments found in ``values`` (an ``__init__``'s locals) as attributes: None for an
+        argument whose spec field has a default made fresh (``{}``) takes that default."""
+        for argument in type(self).arguments:
+            if argument.name in values:
+                value = values[argument.name]
+                if value is None and callable(argument.default):
+                    value = argument.fresh_default()
+                setattr(self, argument.attr, value)
 
     @property
     def waits_deferred(self) -> bool:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import urllib.parse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from airflow.sdk import BaseHook
+from typing_extensions import Unpack
 
 from airflow_provider_rayllm.contract.names import HTTP_API_KEY_ENV, HTTP_USERINFO_ENV
+from airflow_provider_rayllm.contract.spec import FileFormat, HttpEndpoint, SinkFormat
 from airflow_provider_rayllm.exceptions import InvalidSpec
 from airflow_provider_rayllm.operators import arguments
 from airflow_provider_rayllm.operators.batch import BatchOperator
+from airflow_provider_rayllm.operators.task_args import RayJobArgs
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -60,6 +63,58 @@ class HttpLLMBatchOperator(BatchOperator):
     """
 
     arguments = arguments.operator_arguments("http")
+
+    def __init__(
+        self,
+        *,
+        input_uri: str | list[str] | None = None,
+        input_format: FileFormat | None = None,
+        input_columns: list[str] | None = None,
+        sql: str | None = None,
+        sql_shard_keys: list[str] | None = None,
+        sql_parallelism: int | None = None,
+        sql_conn_id: str | None = None,
+        input_rows: list[Any] | str | None = None,
+        prompt_column: str | None = None,
+        prompt_template: str | None = None,
+        messages_column: str | None = None,
+        preprocess: Callable[..., Any] | str | None = None,
+        system_prompt: str | None = None,
+        sampling_params: dict[str, Any] | str | None = None,
+        pooling_params: dict[str, Any] | None = None,
+        postprocess: Callable[..., Any] | str | None = None,
+        output_column: str = "response",
+        keep_columns: list[str] | None = None,
+        id_column: str | None = None,
+        image_column: str | None = None,
+        image_max_bytes: int = 20971520,
+        image_allow_private_hosts: bool = False,
+        endpoint: HttpEndpoint = "chat/completions",
+        model: str,
+        concurrency: int = 1,
+        batch_size: int = 256,
+        max_in_flight: int | str = 64,
+        qps: float | str | None = None,
+        max_retries: int = 6,
+        max_total_wait_s: float = 300.0,
+        timeout_s: float = 120.0,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        price_per_1k_input_tokens: float | None = None,
+        price_per_1k_output_tokens: float | None = None,
+        http_conn_id: str = "llm_endpoint_default",
+        output_uri: str | None = None,
+        output_format: SinkFormat = "parquet",
+        output_rows_per_file: int | None = None,
+        output_table: str | None = None,
+        output_table_conn_id: str | None = None,
+        max_error_fraction: float = 0.1,
+        max_rows: int | str | None = None,
+        object_store_window_mb: int | str | None = None,
+        **kwargs: Unpack[RayJobArgs],
+    ) -> None:
+        super().__init__(**kwargs)
+        self.take_arguments(locals())
 
     def job_secrets(self) -> dict[str, str]:
         env = super().job_secrets()

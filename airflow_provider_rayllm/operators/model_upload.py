@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import Unpack
+
 from airflow_provider_rayllm.contract.spec import RunSpec, is_local_path, uri_scheme
 from airflow_provider_rayllm.operators import arguments
 from airflow_provider_rayllm.operators.base import RayJobOperator
+from airflow_provider_rayllm.operators.task_args import RayJobArgs
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -23,6 +26,20 @@ class ModelUploadOperator(RayJobOperator):
     """
 
     arguments = arguments.operator_arguments("upload")
+
+    def __init__(
+        self,
+        *,
+        model_source: str,
+        bucket_uri: str,
+        revision: str | None = None,
+        allow_patterns: list[str] | None = None,
+        ignore_patterns: list[str] | None = None,
+        overwrite: bool = False,
+        **kwargs: Unpack[RayJobArgs],
+    ) -> None:
+        super().__init__(**kwargs)
+        self.take_arguments(locals())
 
     def resolve_output_uri(self, run: RunSpec) -> str:
         return str(self.bucket_uri)

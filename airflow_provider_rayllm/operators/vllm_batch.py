@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+from typing_extensions import Unpack
 
 from airflow_provider_rayllm.contract.names import ENGINE_SECRET_ENV
 from airflow_provider_rayllm.contract.secrets import secret_env_vars, split_secrets
-from airflow_provider_rayllm.contract.spec import SpecError, map_guide_flags
+from airflow_provider_rayllm.contract.spec import FileFormat, SinkFormat, SpecError, TaskType, map_guide_flags
 from airflow_provider_rayllm.operators import arguments
 from airflow_provider_rayllm.operators.batch import BatchOperator
+from airflow_provider_rayllm.operators.task_args import RayJobArgs
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -42,6 +45,76 @@ class VLLMBatchOperator(BatchOperator):
 
     arguments = arguments.operator_arguments("vllm")
 
+    def __init__(
+        self,
+        *,
+        input_uri: str | list[str] | None = None,
+        input_format: FileFormat | None = None,
+        input_columns: list[str] | None = None,
+        sql: str | None = None,
+        sql_shard_keys: list[str] | None = None,
+        sql_parallelism: int | None = None,
+        sql_conn_id: str | None = None,
+        input_rows: list[Any] | str | None = None,
+        prompt_column: str | None = None,
+        prompt_template: str | None = None,
+        messages_column: str | None = None,
+        preprocess: Callable[..., Any] | str | None = None,
+        system_prompt: str | None = None,
+        sampling_params: dict[str, Any] | str | None = None,
+        pooling_params: dict[str, Any] | None = None,
+        postprocess: Callable[..., Any] | str | None = None,
+        lora_column: str | None = None,
+        output_column: str = "response",
+        keep_columns: list[str] | None = None,
+        id_column: str | None = None,
+        image_column: str | None = None,
+        image_max_bytes: int = 20971520,
+        image_allow_private_hosts: bool = False,
+        model_source: str,
+        task_type: TaskType = "generate",
+        engine_kwargs: dict[str, Any] | str | None = None,
+        concurrency: int | tuple[int, int] | list[int] | str = 1,
+        batch_size: int = 32,
+        accelerator_type: str | None = None,
+        runtime_env: dict[str, Any] | None = None,
+        max_concurrent_batches: int | None = None,
+        max_tasks_in_flight_per_actor: int | None = None,
+        max_pending_requests: int | None = None,
+        placement_group_config: dict[str, Any] | str | None = None,
+        chat_template_stage: bool | dict[str, Any] | None = None,
+        tokenize_stage: bool | dict[str, Any] | None = None,
+        detokenize_stage: bool | dict[str, Any] | None = None,
+        prepare_multimodal_stage: bool | dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        dynamic_lora_loading_path: str | None = None,
+        lora_adapters: list[str] | None = None,
+        price_per_hour: float | None = None,
+        log_engine_metrics: bool = False,
+        usage_stats: bool = False,
+        resource_profile: Literal["auto", "cpu", "gpu"] = "auto",
+        apply_chat_template: bool | None = None,
+        tokenize: bool | None = None,
+        detokenize: bool | None = None,
+        has_image: bool | None = None,
+        chat_template: str | None = None,
+        serve_deployment: str | None = None,
+        serve_app: str = "default",
+        serve_method: Literal["chat", "completions", "embeddings"] = "chat",
+        serve_request_timeout_s: float | None = None,
+        output_uri: str | None = None,
+        output_format: SinkFormat = "parquet",
+        output_rows_per_file: int | None = None,
+        output_table: str | None = None,
+        output_table_conn_id: str | None = None,
+        max_error_fraction: float = 0.1,
+        max_rows: int | str | None = None,
+        object_store_window_mb: int | str | None = None,
+        **kwargs: Unpack[RayJobArgs],
+    ) -> None:
+        super().__init__(**kwargs)
+        self.take_arguments(locals())
+
     def job_secrets(self) -> dict[str, str]:
         env = super().job_secrets()
         # The guide's runtime_env={"env_vars": {"HF_TOKEN": ...}} and a secret in engine_kwargs (vLLM's
@@ -66,7 +139,10 @@ class VLLMBatchOperator(BatchOperator):
 
     def processor_body(self) -> dict[str, Any]:
         processor = self.section("processor")
-        given = {k: processor[k] for k in STAGES if k in self.arguments_given}
+        # A stage left as None takes the spec's default; one given may not be given again by its guide name.
+        given = {k: processor.pop(k) for k in STAGES if processor[k] is not None}
+        for k in STAGES:
+            processor.pop(k, None)
         given.update({k: getattr(self, k) for k in GUIDE_FLAGS if getattr(self, k) is not None})
         processor.update(map_guide_flags(given))
         if self.image_column and "prepare_multimodal_stage" not in given and "has_image" not in given:

@@ -1,32 +1,94 @@
-"""Each argument declared once: the operators' signatures, template fields and refusals come from the
-declarations, and the Airflow half parses a DAG without loading the Ray half's libraries."""
+"""The operators' typed signatures in the source agree with the declarations (template fields, docs and
+refusals come from those), a type checker catches a misspelled argument, and the Airflow half parses a DAG
+without loading the Ray half's libraries."""
 
 from __future__ import annotations
 
 import inspect
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
-from pydantic import Field
+from airflow.sdk import BaseOperator
+from pydantic import Field, TypeAdapter
 
 from airflow_provider_rayllm.contract import spec
 from airflow_provider_rayllm.operators import arguments
+from airflow_provider_rayllm.operators.base import RayJobOperator
 from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
 from airflow_provider_rayllm.operators.model_upload import ModelUploadOperator
+from airflow_provider_rayllm.operators.task_args import BaseOperatorArgs, RayJobArgs
 from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
 
 REPO = Path(__file__).resolve().parents[2]
 OPERATORS = {"vllm": VLLMBatchOperator, "http": HttpLLMBatchOperator, "upload": ModelUploadOperator}
 
 
+STAGES = ("chat_template_stage", "tokenize_stage", "detokenize_stage", "prepare_multimodal_stage")
+
+
+def _keyword_parameters(init: object) -> dict[str, inspect.Parameter]:
+    return {
+        name: p for name, p in inspect.signature(init).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+
+
 @pytest.mark.parametrize("kind", sorted(OPERATORS))
-def test_the_signature_and_template_fields_are_the_declarations(kind):
+def test_each_operator_writes_its_declared_parameters_typed_in_the_source(kind):
+    """The signature an editor shows is the operator's own source, and it agrees with the declarations: the same
+    names, the same defaults (None where the spec makes a fresh default or a stage takes the spec's), each
+    parameter typed, and each default of its own type."""
+    cls, declared = OPERATORS[kind], {a.name: a for a in arguments.operator_arguments(kind)}
+    init = cls.__init__
+    assert "__signature__" not in vars(init) and "__signature__" not in vars(inspect.unwrap(init))
+    own, job = _keyword_parameters(init), _keyword_parameters(RayJobOperator.__init__)
+    assert not set(own) & set(job)
+    assert set(own) | set(job) == set(declared)
+    hints = {
+        **typing.get_type_hints(inspect.unwrap(RayJobOperator.__init__)),
+        **typing.get_type_hints(inspect.unwrap(init)),
+    }
+    for name, param in {**own, **job}.items():
+        argument = declared[name]
+        assert param.annotation is not inspect.Parameter.empty, f"{cls.__name__}.{name} has no type"
+        if argument.required:
+            assert param.default is inspect.Parameter.empty, name
+            continue
+        if callable(argument.default) or name in STAGES:
+            assert param.default is None, name
+        else:
+            assert param.default == argument.default, (name, param.default, argument.default)
+        TypeAdapter(hints[name]).validate_python(param.default, strict=True)
+
+
+def test_the_kwargs_typed_dicts_are_airflows_and_the_jobs_parameters():
+    base = {n for n in inspect.signature(BaseOperator.__init__).parameters if n not in ("self", "kwargs")}
+    assert set(typing.get_type_hints(BaseOperatorArgs)) == base
+    job = set(_keyword_parameters(RayJobOperator.__init__))
+    assert set(typing.get_type_hints(RayJobArgs)) == base | job
+
+
+@pytest.mark.parametrize("kind", sorted(OPERATORS))
+def test_template_fields_are_the_declared_templated_arguments(kind):
     cls, declared = OPERATORS[kind], arguments.operator_arguments(kind)
-    params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
-    assert params == [a.name for a in declared]
     assert set(cls.template_fields) == {a.attr for a in declared if a.templated}
+
+
+def test_mypy_passes_the_example_dags_and_names_a_misspelled_argument(tmp_path):
+    """What `make test` runs on dags_examples/, and the same DAG with one argument misspelled."""
+    source = (REPO / "dags_examples" / "example_vllm_batch.py").read_text()
+    assert "prompt_column=" in source
+    (tmp_path / "good.py").write_text(source)
+    (tmp_path / "typo.py").write_text(source.replace("prompt_column=", "promt_column=", 1))
+    command = [sys.executable, "-m", "mypy", "--follow-imports=silent", "--ignore-missing-imports"]
+    command += ["--cache-dir", str(REPO / ".mypy_cache")]
+    good = subprocess.run([*command, str(tmp_path / "good.py")], capture_output=True, text=True, cwd=REPO)
+    assert good.returncode == 0, good.stdout[-2000:]
+    typo = subprocess.run([*command, str(tmp_path / "typo.py")], capture_output=True, text=True, cwd=REPO)
+    assert typo.returncode == 1, typo.stdout[-2000:]
+    assert 'Unexpected keyword argument "promt_column" for "VLLMBatchOperator"' in typo.stdout, typo.stdout
 
 
 def test_an_engine_argument_is_refused_by_the_http_operator_naming_it():
@@ -50,7 +112,7 @@ def test_default_args_reach_declared_arguments():
     op = VLLMBatchOperator(
         task_id="t", model_source="/m", input_uri="/in.jsonl", prompt_column="q", default_args={"poll_interval": 0.5}
     )
-    assert op.poll_interval == 0.5 and "poll_interval" in op.arguments_given
+    assert op.poll_interval == 0.5
 
 
 def test_a_new_spec_field_is_an_argument_with_no_other_edit():
