@@ -1,6 +1,8 @@
-"""Errors the Airflow half raises; Airflow sees them as task failures with our message."""
+"""Errors the Airflow half raises; Airflow sees them as task failures with our message. Those a retry
+cannot fix (bad settings, refused credentials) are ``AirflowFailException``: the task fails at once instead
+of spending its retries; a cluster that is away or a job that failed stays retryable."""
 
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 
 class RayLLMError(AirflowException):
@@ -15,5 +17,5 @@ class RayJobLost(RayLLMError):
     """The Ray cluster no longer knows a job we submitted (the head restarted or the job was deleted)."""
 
 
-class InvalidSpec(RayLLMError):
+class InvalidSpec(RayLLMError, AirflowFailException):
     """The operator's settings cannot make a valid job spec; raised before anything is submitted."""

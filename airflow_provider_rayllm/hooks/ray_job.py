@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseHook
+from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_rayllm.exceptions import RayLLMError
 
@@ -25,7 +26,7 @@ TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 ACTIVE_STATES = frozenset({"PENDING", "RUNNING"})
 
 
-class RayAuthError(RayLLMError):
+class RayAuthError(RayLLMError, AirflowFailException):
     """The Jobs API refused our credentials (401/403). Retrying will not help."""
 
 

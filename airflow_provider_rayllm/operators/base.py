@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
+# Left out of the package a job receives (gitignore-style patterns, as Ray's runtime_env "excludes" reads them).
+SHIP_EXCLUDES = ("/local/", "__pycache__/")
 MAX_GENERATIONS = 100
 METADATA_OUTPUT_URI = "rayllm_output_uri"
 METADATA_CLEAR_NUMBER = "airflow_clear_number"
@@ -367,6 +369,8 @@ class RayJobOperator(BaseOperator):
         env["env_vars"] = {"RAY_JOB_STOP_WAIT_TIME_S": "30", **(env.get("env_vars") or {})}
         if self.ship_package:
             env["py_modules"] = [*env.get("py_modules", []), str(PACKAGE_DIR)]
+            # The embedded dev stack (local cluster, model preparation, demo) never runs in a job.
+            env["excludes"] = [*env.get("excludes", []), *SHIP_EXCLUDES]
         return env
 
     def _submit(self, submission_id: str, spec: AnySpec, package_dir: Path) -> None:

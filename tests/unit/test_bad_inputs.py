@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_rayllm.exceptions import InvalidSpec
 
@@ -103,9 +104,11 @@ class Ti:
 
 def _refusal(build) -> str:
     """The refusal's message; an InvalidSpec, so it came before any submission (the operator has no hook:
-    reaching for the Jobs API would raise something else)."""
+    reaching for the Jobs API would raise something else), and an AirflowFailException, so Airflow spends no
+    retry on it."""
     with pytest.raises(InvalidSpec) as exc:
         build()
+    assert isinstance(exc.value, AirflowFailException)
     return str(exc.value)
 
 

@@ -142,3 +142,24 @@ def test_parsing_the_example_dags_loads_no_ray_half_library(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-500:]
+
+
+def test_the_package_a_job_receives_leaves_out_the_embedded_stack(tmp_path):
+    """The operator's runtime_env, zipped by Ray's own packaging as a submission does: the job half and the
+    contract are in it, local/ (the embedded dev stack) is not."""
+    import zipfile
+
+    from ray._private.runtime_env.packaging import create_package
+
+    from airflow_provider_rayllm.operators.base import PACKAGE_DIR
+
+    op = VLLMBatchOperator(task_id="t", model_source="/m", input_uri="/in.jsonl", prompt_column="q")
+    env = op._runtime_env(tmp_path)
+    assert str(PACKAGE_DIR) in env["py_modules"]
+    target = tmp_path / "package.zip"
+    create_package(str(PACKAGE_DIR), target, include_gitignore=True, include_parent_dir=True, excludes=env["excludes"])
+    names = zipfile.ZipFile(target).namelist()
+    assert "airflow_provider_rayllm/job/driver.py" in names
+    assert "airflow_provider_rayllm/contract/spec.py" in names
+    assert not [n for n in names if n.startswith("airflow_provider_rayllm/local/")]
+    assert not [n for n in names if "__pycache__" in n]
