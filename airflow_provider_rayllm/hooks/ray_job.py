@@ -1,4 +1,4 @@
-"""RayJobHook: the Ray Jobs API for the ``ray`` connection, sync for workers and async for triggers.
+"""RayJobHook: the Ray Jobs API for the ``ray`` connection, through Ray's own client, for workers and triggers.
 
 Connection fields: host = dashboard URL (http or https), password = Ray auth token, extra =
 ``verify`` (bool), ``ca_bundle`` (path), ``headers`` (dict), ``output_base`` (default output prefix).
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import ssl
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -110,15 +111,6 @@ def _as_bool(value: Any) -> bool:
     return bool(value)
 
 
-def _check_auth(status: int, body: str, address: str) -> None:
-    if status in (401, 403):
-        word = "missing or unknown" if status == 401 else "refused"
-        raise RayAuthError(
-            f"the Ray Jobs API at {address} answered {status}: the auth token is {word}. Set the Ray auth "
-            f"token as the password of the `ray` connection. Server said: {body[:200]}"
-        )
-
-
 def lost_message(submission_id: str) -> str:
     return f"job lost: the Ray cluster no longer knows {submission_id!r} (was the head restarted?)"
 
@@ -151,17 +143,134 @@ class OutageClock:
         return None
 
 
+# Seconds one Jobs API request may take (connect and answer); a cluster that holds a request longer is away.
+REQUEST_TIMEOUT_S = 30.0
+# Seconds a log tail waits before it reconnects after its connection broke.
+TAIL_RECONNECT_S = 2.0
+
+
+def _jobs_client(settings: RayConnSettings, timeout_s: float) -> Any:
+    """Ray's JobSubmissionClient for these settings, each of its requests bounded by ``timeout_s``."""
+    from ray.job_submission import JobSubmissionClient
+
+    class _Client(JobSubmissionClient):
+        def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
+            kwargs.setdefault("timeout", timeout_s)
+            return super()._do_request(method, endpoint, **kwargs)
+
+    client = _Client(address=settings.address, headers=settings.request_headers(), verify=settings.verify)
+    if not settings.token:
+        # The connection is the only source of the token: Ray's client would add this machine's own
+        # (~/.ray/auth_token) to a connection that has none.
+        headers = getattr(client, "_headers", {})
+        for name in [k for k in headers if k.lower() == "authorization"]:
+            del headers[name]
+    return client
+
+
+def _auth_error(exc: Exception, address: str) -> RayAuthError | None:
+    """Ray's refusal of our token (its AuthenticationError, or a 401/403 status in its message) as ours."""
+    message = str(exc)
+    if "Authentication failed" in message or "status code 403" in message:
+        status, word = 403, "refused"
+    elif type(exc).__name__ == "AuthenticationError" or "status code 401" in message or "Unauthorized" in message:
+        status, word = 401, "missing or unknown"
+    else:
+        return None
+    said = (message.strip().splitlines() or [""])[0][:200]
+    return RayAuthError(
+        f"the Ray Jobs API at {address} answered {status}: the auth token is {word}. Set the Ray auth token as "
+        f"the password of the `ray` connection. Server said: {said}"
+    )
+
+
+def _as_dict(details: Any) -> dict[str, Any]:
+    dump = getattr(details, "model_dump", None)
+    return dump(mode="json") if dump else json.loads(details.json())
+
+
+class JobLogTail:
+    """A job's log as it grows, each part read once: Ray's log tail (a websocket the Jobs API closes when the
+    job ends) followed in a thread of its own, whole lines handed over by ``lines()``. A broken connection is
+    opened again after ``TAIL_RECONNECT_S``; the tail then starts from the log's beginning, and what was
+    already read is skipped."""
+
+    def __init__(self, client: Any, submission_id: str) -> None:
+        self.client = client
+        self.submission_id = submission_id
+        self._queue: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._ended = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"ray-log-tail-{submission_id}", daemon=True)
+
+    def start(self) -> JobLogTail:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def ended(self) -> bool:
+        """The Jobs API closed the tail: the job has ended and every line was handed over."""
+        return self._ended.is_set()
+
+    def wait_ended(self, timeout_s: float) -> bool:
+        return self._ended.wait(timeout_s)
+
+    def lines(self) -> list[str]:
+        out = []
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _run(self) -> None:
+        asyncio.run(self._follow())
+
+    async def _follow(self) -> None:
+        read = 0  # characters of the log handed over, whole lines only
+        while not self._stop.is_set():
+            received, pending = 0, ""  # this connection's characters, and the line not yet whole
+            try:
+                async for chunk in self.client.tail_job_logs(self.submission_id):
+                    if self._stop.is_set():
+                        return
+                    start, received = received, received + len(chunk)
+                    if received <= read:
+                        continue  # a reconnected tail starts from the beginning
+                    pending += chunk[max(0, read - start) :]
+                    whole = pending.rfind("\n") + 1
+                    for line in pending[:whole].splitlines():
+                        self._queue.put(line)
+                    read += whole
+                    pending = pending[whole:]
+                if pending:
+                    self._queue.put(pending)
+                self._ended.set()
+                return
+            except Exception:  # the dashboard may be restarting: the status poll decides how long to wait
+                await asyncio.sleep(TAIL_RECONNECT_S)
+
+
 class RayJobHook(BaseHook):
-    """Submit, watch, stop and read Ray jobs through the dashboard's Jobs API."""
+    """Submit, watch, stop and read Ray jobs through Ray's own Jobs API client (``JobSubmissionClient``).
+
+    Every request has a deadline (``request_timeout_s``); the trigger runs the same calls in a thread.
+    """
 
     conn_name_attr = "ray_conn_id"
     default_conn_name = "ray_default"
     conn_type = "ray"
     hook_name = "Ray"
 
-    def __init__(self, ray_conn_id: str = default_conn_name, **kwargs: Any) -> None:
+    def __init__(
+        self, ray_conn_id: str = default_conn_name, request_timeout_s: float = REQUEST_TIMEOUT_S, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.ray_conn_id = ray_conn_id
+        self.request_timeout_s = request_timeout_s
 
     @classmethod
     def get_ui_field_behaviour(cls) -> dict[str, Any]:
@@ -181,24 +290,31 @@ class RayJobHook(BaseHook):
             self.__dict__["settings"] = RayConnSettings.from_connection(conn)
         return self.settings
 
-    # --- sync client (Airflow worker) -----------------------------------------------------------
+    # --- the client -----------------------------------------------------------------------------
     @cached_property
     def client(self) -> Any:
-        from ray.job_submission import JobSubmissionClient
-
         s = self.settings
         try:
-            return JobSubmissionClient(address=s.address, headers=s.request_headers(), verify=s.verify)
+            return _jobs_client(s, self.request_timeout_s)
         except Exception as exc:
-            message = str(exc)
-            if "401" in message or "403" in message or "Unauthorized" in message or "authentication" in message.lower():
-                raise RayAuthError(
-                    f"the Ray Jobs API at {s.address} refused the connection {self.ray_conn_id!r}: {message[:300]}"
-                ) from None
-            raise RayLLMError(f"cannot reach the Ray Jobs API at {s.address}: {message[:300]}") from None
+            refused = _auth_error(exc, s.address)
+            if refused:
+                raise refused from None
+            raise RayLLMError(f"cannot reach the Ray Jobs API at {s.address}: {str(exc)[:300]}") from None
 
     def get_conn(self) -> Any:
         return self.client
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.client, method)(*args, **kwargs)
+        except RayLLMError:
+            raise
+        except Exception as exc:
+            refused = _auth_error(exc, self.settings.address)
+            if refused:
+                raise refused from None
+            raise
 
     def submit_job(
         self,
@@ -211,7 +327,8 @@ class RayJobHook(BaseHook):
         entrypoint_memory: int | None = None,
         entrypoint_resources: dict[str, float] | None = None,
     ) -> str:
-        return self.client.submit_job(
+        return self._call(
+            "submit_job",
             entrypoint=entrypoint,
             submission_id=submission_id,
             runtime_env=runtime_env,
@@ -223,18 +340,12 @@ class RayJobHook(BaseHook):
 
     def get_job_info(self, submission_id: str) -> dict[str, Any] | None:
         """The job's record as a dict, or None when the cluster does not know the id."""
-        import requests
-
-        s = self.settings
-        resp = requests.get(
-            f"{s.address}/api/jobs/{submission_id}", headers=s.request_headers(), verify=s.verify, timeout=30
-        )
-        _check_auth(resp.status_code, resp.text, s.address)
-        if resp.status_code == 404:
-            return None
-        if resp.status_code != 200:
-            raise RayApiError(f"GET /api/jobs/{submission_id} answered {resp.status_code}: {resp.text[:300]}")
-        return resp.json()
+        try:
+            return _as_dict(self._call("get_job_info", submission_id))
+        except RuntimeError as exc:
+            if "status code 404" in str(exc):
+                return None
+            raise RayApiError(f"the Ray Jobs API answered for {submission_id!r}: {str(exc)[:300]}") from None
 
     def get_job_status(self, submission_id: str) -> str:
         info = self.get_job_info(submission_id)
@@ -243,10 +354,15 @@ class RayJobHook(BaseHook):
         return str(info["status"])
 
     def stop_job(self, submission_id: str) -> bool:
-        return bool(self.client.stop_job(submission_id))
+        return bool(self._call("stop_job", submission_id))
 
     def get_job_logs(self, submission_id: str) -> str:
-        return str(self.client.get_job_logs(submission_id))
+        """The whole log, once (a job's end, its error line); a wait follows the log with ``tail_job_logs``."""
+        return str(self._call("get_job_logs", submission_id))
+
+    def tail_job_logs(self, submission_id: str) -> JobLogTail:
+        """The job's log as it grows, read once, in a thread of its own (started)."""
+        return JobLogTail(self.client, submission_id).start()
 
     def test_connection(self) -> tuple[bool, str]:
         try:
@@ -256,49 +372,15 @@ class RayJobHook(BaseHook):
             return False, str(exc)
         return True, f"Ray Jobs API {self.settings.address} answered (version {version})"
 
-    # --- async (triggerer): aiohttp, never blocking the event loop ------------------------------
-    def _ssl(self, s: RayConnSettings) -> ssl.SSLContext | bool:
-        if isinstance(s.verify, str):
-            return ssl.create_default_context(cafile=s.verify)
-        return bool(s.verify)
-
-    async def _arequest(self, method: str, path: str, timeout: float = 30.0) -> tuple[int, str]:
-        import aiohttp
-
-        s = await self.asettings()
-        client_timeout = aiohttp.ClientTimeout(total=timeout)
-        async with aiohttp.ClientSession(timeout=client_timeout, headers=s.request_headers()) as session:
-            async with session.request(method, f"{s.address}{path}", ssl=self._ssl(s)) as resp:
-                body = await resp.text()
-                _check_auth(resp.status, body, s.address)
-                return resp.status, body
-
+    # --- the triggerer: the same calls in a thread, never blocking the event loop -----------------
     async def aget_job_info(self, submission_id: str) -> dict[str, Any] | None:
-        status, body = await self._arequest("GET", f"/api/jobs/{submission_id}")
-        if status == 404:
-            return None
-        if status != 200:
-            raise RayApiError(f"GET /api/jobs/{submission_id} answered {status}: {body[:300]}")
-        return json.loads(body)
+        await self.asettings()
+        return await asyncio.to_thread(self.get_job_info, submission_id)
 
     async def astop_job(self, submission_id: str) -> bool:
-        status, body = await self._arequest("POST", f"/api/jobs/{submission_id}/stop")
-        if status == 404:
-            return False
-        if status != 200:
-            raise RayApiError(f"POST /api/jobs/{submission_id}/stop answered {status}: {body[:300]}")
-        return bool(json.loads(body).get("stopped"))
+        await self.asettings()
+        return await asyncio.to_thread(self.stop_job, submission_id)
 
-    async def aget_job_logs(self, submission_id: str) -> str:
-        status, body = await self._arequest("GET", f"/api/jobs/{submission_id}/logs", timeout=60)
-        if status != 200:
-            return ""
-        return str(json.loads(body).get("logs", ""))
-
-    async def await_terminal(self, submission_id: str, poll_interval: float) -> dict[str, Any] | None:
-        """Poll until the job is terminal; None if the cluster forgot the job."""
-        while True:
-            info = await self.aget_job_info(submission_id)
-            if info is None or info.get("status") in TERMINAL_STATES:
-                return info
-            await asyncio.sleep(poll_interval)
+    async def atail_job_logs(self, submission_id: str) -> JobLogTail:
+        await self.asettings()
+        return await asyncio.to_thread(self.tail_job_logs, submission_id)

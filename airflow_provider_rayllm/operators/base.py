@@ -57,6 +57,8 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # Left out of the package a job receives (gitignore-style patterns, as Ray's runtime_env "excludes" reads them).
 SHIP_EXCLUDES = ("/local/", "__pycache__/")
 MAX_GENERATIONS = 100
+# Seconds a finished job's log tail may take to deliver its last lines.
+LAST_LINES_WAIT_S = 10.0
 METADATA_OUTPUT_URI = "rayllm_output_uri"
 METADATA_CLEAR_NUMBER = "airflow_clear_number"
 
@@ -123,6 +125,25 @@ class JobLogView:
         if worker and any(noise in text for noise in self.SHUTDOWN_LINES):
             return []
         return [line]
+
+
+class JobLogPrinter:
+    """Job log lines into the task log: progress lines as one 'Progress:' line each, the rest as the
+    ``JobLogView`` chooses, with the task's secrets scrubbed."""
+
+    def __init__(self, log: Any, secrets: Sequence[str]) -> None:
+        self.log = log
+        self.secrets = secrets
+        self.view = JobLogView()
+
+    def show(self, lines: Sequence[str]) -> None:
+        for line in lines:
+            done = parse_progress(line)
+            if done is not None:
+                self.log.info("Progress: %s", describe_progress(done))
+                continue
+            for shown in self.view.feed(line):
+                self.log.info("[ray] %s", scrub(shown, self.secrets))
 
 
 # Errors that only say a Ray worker died: the cause is an earlier error line of the job's log.
@@ -448,43 +469,35 @@ class RayJobOperator(BaseOperator):
         return self._finish(context, submission_id, status, message)
 
     def _wait_with_logs(self, submission_id: str) -> tuple[str, str]:
-        """Poll the job and copy its new log lines into the task log."""
-        printed = 0
-        view = JobLogView()
+        """Poll the job's status and copy its log's new lines into the task log as they come."""
         known = self._secret_values()
         clock = OutageClock(submission_id, self.unreachable_timeout)
-        while True:
-            try:
-                info = self.hook.get_job_info(submission_id)
-                clock.answered()
-            except Exception as exc:  # the dashboard may be restarting: keep waiting, within a limit
-                ended = clock.failed(exc)
-                if ended:
-                    return "ERROR", ended
-                self.log.warning("Ray Jobs API unreachable (%.0f s): %s; retrying", clock.silent_s, exc)
+        printer = JobLogPrinter(self.log, known)
+        tail = self.hook.tail_job_logs(submission_id)
+        try:
+            while True:
+                try:
+                    info = self.hook.get_job_info(submission_id)
+                    clock.answered()
+                except Exception as exc:  # the dashboard may be restarting: keep waiting, within a limit
+                    ended = clock.failed(exc)
+                    if ended:
+                        return "ERROR", ended
+                    self.log.warning("Ray Jobs API unreachable (%.0f s): %s; retrying", clock.silent_s, exc)
+                    time.sleep(self.poll_interval)
+                    continue
+                if info is None:
+                    return "LOST", lost_message(submission_id)
+                status = str(info["status"])
+                if status not in ACTIVE_STATES:
+                    # The Jobs API closes the tail once the job's log is complete: show its last lines too.
+                    tail.wait_ended(LAST_LINES_WAIT_S)
+                    printer.show(tail.lines())
+                    return status, str(info.get("message") or "")
+                printer.show(tail.lines())
                 time.sleep(self.poll_interval)
-                continue
-            if info is None:
-                return "LOST", lost_message(submission_id)
-            try:
-                logs = self.hook.get_job_logs(submission_id)
-            except Exception as exc:  # logs are a courtesy; status decides
-                self.log.debug("could not read job logs: %s", exc)
-                logs = ""
-            complete = logs.rfind("\n") + 1  # whole lines only; the rest comes with the next read
-            if complete > printed:
-                for line in logs[printed:complete].splitlines():
-                    done = parse_progress(line)
-                    if done is not None:
-                        self.log.info("Progress: %s", describe_progress(done))
-                        continue
-                    for shown in view.feed(line):
-                        self.log.info("[ray] %s", scrub(shown, known))
-                printed = complete
-            status = str(info["status"])
-            if status not in ACTIVE_STATES:
-                return status, str(info.get("message") or "")
-            time.sleep(self.poll_interval)
+        finally:
+            tail.stop()
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(event, dict) or "status" not in event or "submission_id" not in event:

@@ -8,8 +8,8 @@ from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_provider_rayllm.contract.progress import describe_progress, last_progress
-from airflow_provider_rayllm.hooks.ray_job import TERMINAL_STATES, OutageClock, RayJobHook, lost_message
+from airflow_provider_rayllm.contract.progress import describe_progress, parse_progress
+from airflow_provider_rayllm.hooks.ray_job import TERMINAL_STATES, JobLogTail, OutageClock, RayJobHook, lost_message
 
 
 class RayJobTrigger(BaseTrigger):
@@ -17,9 +17,9 @@ class RayJobTrigger(BaseTrigger):
 
     Event payload: ``status`` (a Ray job status, ``LOST`` when the cluster no longer knows the job,
     or ``ERROR``), ``submission_id``, ``message``. A Jobs API that stops answering is retried until
-    ``unreachable_timeout`` seconds pass without an answer. Every ``progress_interval`` seconds the newest
-    progress line of the job log (rows done of total, tokens/s) goes to the trigger's log, which Airflow
-    shows in the task log.
+    ``unreachable_timeout`` seconds pass without an answer. The job's log is followed as it grows (each part
+    read once); every ``progress_interval`` seconds its newest progress line (rows done of total, tokens/s)
+    goes to the trigger's log, which Airflow shows in the task log.
     """
 
     def __init__(
@@ -59,22 +59,32 @@ class RayJobTrigger(BaseTrigger):
         first_line = (message.strip().splitlines() or [""])[0][:500]
         return TriggerEvent({"status": status, "submission_id": self.submission_id, "message": first_line})
 
-    async def _log_progress(self, hook: RayJobHook, shown: dict[str, Any] | None) -> dict[str, Any] | None:
-        try:
-            latest = last_progress(await hook.aget_job_logs(self.submission_id))
-        except Exception as exc:  # logs are a courtesy; the status decides
-            self.log.debug("could not read the job log: %s", exc)
+    def _log_progress(self, tail: JobLogTail | None, shown: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The newest progress line the log tail brought since the last look, to the trigger's log."""
+        if tail is None:
             return shown
+        latest = shown
+        for line in tail.lines():
+            latest = parse_progress(line) or latest
         if latest is not None and latest != shown:
             self.log.info("Ray job %s progress: %s", self.submission_id, describe_progress(latest))
-            return latest
-        return shown
+        return latest
+
+    async def _tail(self, hook: RayJobHook) -> JobLogTail | None:
+        if self.progress_interval <= 0:
+            return None
+        try:
+            return await hook.atail_job_logs(self.submission_id)
+        except Exception as exc:  # logs are a courtesy; the status decides
+            self.log.debug("could not follow the job log: %s", exc)
+            return None
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
         clock = OutageClock(self.submission_id, self.unreachable_timeout)
         shown: dict[str, Any] | None = None
         next_progress = time.monotonic() + self.progress_interval
+        tail: JobLogTail | None = None
         try:
             while True:
                 try:
@@ -95,12 +105,17 @@ class RayJobTrigger(BaseTrigger):
                 if status in TERMINAL_STATES:
                     yield self._event(status, str(info.get("message") or ""))
                     return
+                if tail is None:
+                    tail = await self._tail(hook)
                 if self.progress_interval > 0 and time.monotonic() >= next_progress:
-                    shown = await self._log_progress(hook, shown)
+                    shown = self._log_progress(tail, shown)
                     next_progress = time.monotonic() + self.progress_interval
                 await asyncio.sleep(self.poll_interval)
         except Exception as exc:
             yield self._event("ERROR", f"{type(exc).__name__}: {exc}")
+        finally:
+            if tail is not None:
+                tail.stop()
 
     async def on_kill(self) -> None:
         """A user killed the deferred task: stop the Ray job too."""

@@ -243,6 +243,22 @@ class FlakyJobsApi:
     def get_job_logs(self, sid):
         return ""
 
+    def tail_job_logs(self, sid):
+        return NoLog()
+
+
+class NoLog:
+    """A log tail that brings nothing and has ended."""
+
+    def lines(self):
+        return []
+
+    def wait_ended(self, timeout_s):
+        return True
+
+    def stop(self):
+        pass
+
 
 def test_polling_waits_out_a_short_outage_and_gives_up_on_a_long_one():
     from airflow_provider_rayllm.hooks.ray_job import RayAuthError

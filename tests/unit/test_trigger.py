@@ -1,5 +1,6 @@
-"""RayJobTrigger against a small HTTP server that speaks the Jobs API's job-status route."""
+"""RayJobTrigger against a small HTTP server that speaks the Jobs API routes Ray's own client uses."""
 
+import asyncio
 import json
 
 import pytest
@@ -12,17 +13,19 @@ from tests.unit.local_http import start_app
 
 
 class JobsApi:
-    """Answers GET /api/jobs/{id} from a script of (status_code, job_status) steps."""
+    """The Jobs API routes Ray's JobSubmissionClient calls: its version check, GET /api/jobs/{id} from a
+    script of (status_code, job_status) steps, the stop route, and the log tail (a websocket that sends the
+    log as it grows and closes once the job has ended)."""
 
     def __init__(self, steps, logs=()):
         self.steps = list(steps)
         self.calls = 0
         self.stopped = []
-        self.logs = list(logs)  # the job log as it reads after each status call
+        self.ended = False
+        self.logs = list(logs)  # the whole job log as it reads after each status call (each extends the last)
 
-    async def get_logs(self, request):
-        text = self.logs[min(self.calls, len(self.logs)) - 1] if self.logs and self.calls else ""
-        return web.json_response({"logs": text})
+    async def version(self, request):
+        return web.json_response({"version": "4", "ray_version": "2.60.0", "ray_commit": "test"})
 
     async def get(self, request):
         self.calls += 1
@@ -31,9 +34,30 @@ class JobsApi:
         code, status = self.steps.pop(0) if len(self.steps) > 1 else self.steps[0]
         if code != 200:
             return web.Response(status=code, text="nope")
+        self.ended = status in ("SUCCEEDED", "FAILED", "STOPPED")
         return web.json_response(
-            {"status": status, "message": f"job is {status}", "submission_id": request.match_info["id"]}
+            {
+                "type": "SUBMISSION",
+                "entrypoint": "python -m airflow_provider_rayllm.job spec.json",
+                "status": status,
+                "message": f"job is {status}",
+                "submission_id": request.match_info["id"],
+            }
         )
+
+    async def tail(self, request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        sent = ""
+        while not self.ended:
+            now = self.logs[min(self.calls, len(self.logs)) - 1] if self.logs and self.calls else ""
+            assert now.startswith(sent), "a log only grows"
+            if len(now) > len(sent):
+                await ws.send_str(now[len(sent) :])
+                sent = now
+            await asyncio.sleep(0.002)
+        await ws.close()
+        return ws
 
     async def stop(self, request):
         self.stopped.append(request.match_info["id"])
@@ -46,8 +70,9 @@ async def serve(monkeypatch):
 
     async def start(api, token="secret-token"):
         app = web.Application()
+        app.router.add_get("/api/version", api.version)
         app.router.add_get("/api/jobs/{id}", api.get)
-        app.router.add_get("/api/jobs/{id}/logs", api.get_logs)
+        app.router.add_get("/api/jobs/{id}/logs/tail", api.tail)
         app.router.add_post("/api/jobs/{id}/stop", api.stop)
         runner, port = await start_app(app)
         conn = {"conn_type": "ray", "host": f"http://127.0.0.1:{port}", "password": token}
@@ -151,10 +176,10 @@ def _progress(done, total, tokens):
 async def test_progress_lines_of_the_job_log_reach_the_trigger_log_once_each(serve):
     noise = "(MapWorker pid=1) INFO engine things"
     logs = [
-        noise,
-        f"{noise}\n{_progress(2, 8, 64)}",
-        f"{noise}\n{_progress(2, 8, 64)}",
-        f"{_progress(2, 8, 64)}\n{_progress(6, 8, 192)}",
+        f"{noise}\n",
+        f"{noise}\n{_progress(2, 8, 64)}\n",
+        f"{noise}\n{_progress(2, 8, 64)}\n",
+        f"{noise}\n{_progress(2, 8, 64)}\n{_progress(6, 8, 192)}\n",
     ]
     api = JobsApi([(200, "RUNNING")] * 4 + [(200, "SUCCEEDED")], logs=logs)
     await serve(api)

@@ -1,0 +1,106 @@
+"""RayJobHook through Ray's own JobSubmissionClient: every request has a deadline, and a job's log is read
+once, as it grows, across a broken connection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+from tests.unit.local_http import start_app
+
+
+def test_a_jobs_api_that_never_answers_ends_the_call_within_its_deadline(monkeypatch):
+    """A server that accepts the connection and says nothing: the hook's call ends after its deadline with an
+    error naming the address, instead of waiting for ever."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    threading.Thread(target=accept, daemon=True).start()
+    address = f"http://127.0.0.1:{server.getsockname()[1]}"
+    monkeypatch.setenv("AIRFLOW_CONN_RAY_STUCK", json.dumps({"conn_type": "ray", "host": address, "password": "t"}))
+    hook = RayJobHook("ray_stuck", request_timeout_s=1.0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(Exception) as failure:
+            hook.get_job_info("job-1")
+    finally:
+        stop.set()
+        for conn in held:
+            conn.close()
+        server.close()
+    seconds = time.monotonic() - started
+    assert seconds < 5, f"the call took {seconds:.1f} s"
+    assert address in str(failure.value)
+
+
+class TailingApi:
+    """The log tail route: the first connection breaks after part of the log; the next one sends the whole
+    log from its beginning (as Ray's tail does) and closes at the job's end."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+
+    async def version(self, request):
+        return web.json_response({"version": "4", "ray_version": "2.60.0", "ray_commit": "test"})
+
+    async def tail(self, request):
+        self.connections += 1
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        if self.connections == 1:
+            await ws.send_str("line a\nline b\nhalf of ")
+            await asyncio.sleep(0.05)
+            request.transport.close()  # the dashboard went away mid-line
+            return ws
+        await ws.send_str("line a\nline b\nhalf of line c\n")
+        await ws.send_str("line d\n")
+        await ws.close()
+        return ws
+
+
+@pytest_asyncio.fixture
+async def tailing(monkeypatch):
+    api = TailingApi()
+    app = web.Application()
+    app.router.add_get("/api/version", api.version)
+    app.router.add_get("/api/jobs/{id}/logs/tail", api.tail)
+    runner, port = await start_app(app)
+    conn = {"conn_type": "ray", "host": f"http://127.0.0.1:{port}", "password": "t"}
+    monkeypatch.setenv("AIRFLOW_CONN_RAY_TAIL", json.dumps(conn))
+    monkeypatch.setattr("airflow_provider_rayllm.hooks.ray_job.TAIL_RECONNECT_S", 0.1)
+    yield api
+    await runner.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_the_log_tail_hands_each_line_over_once_across_a_broken_connection(tailing):
+    tail = await RayJobHook("ray_tail").atail_job_logs("job-1")
+    lines: list[str] = []
+    deadline = time.monotonic() + 10
+    while not tail.ended and time.monotonic() < deadline:
+        lines += tail.lines()
+        await asyncio.sleep(0.02)
+    lines += tail.lines()
+    tail.stop()
+    assert tail.ended
+    assert tailing.connections == 2
+    assert lines == ["line a", "line b", "half of line c", "line d"]
