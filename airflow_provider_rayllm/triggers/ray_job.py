@@ -11,6 +11,9 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_provider_rayllm.contract.progress import describe_progress, parse_progress
 from airflow_provider_rayllm.hooks.ray_job import TERMINAL_STATES, JobLogTail, OutageClock, RayJobHook, lost_message
 
+# Seconds a finished job's log tail may take to deliver its last lines.
+LAST_LINES_WAIT_S = 5.0
+
 
 class RayJobTrigger(BaseTrigger):
     """Poll the Jobs API until the job is terminal; yield exactly one event.
@@ -103,6 +106,9 @@ class RayJobTrigger(BaseTrigger):
                     return
                 status = str(info.get("status"))
                 if status in TERMINAL_STATES:
+                    if tail is not None:  # the last progress the job printed, once its log is complete
+                        await asyncio.to_thread(tail.wait_ended, LAST_LINES_WAIT_S)
+                        shown = self._log_progress(tail, shown)
                     yield self._event(status, str(info.get("message") or ""))
                     return
                 if tail is None:

@@ -33,6 +33,34 @@ def test_aws_connection(monkeypatch):
     }
 
 
+def test_without_the_amazon_provider_the_fields_are_read_and_a_role_is_refused(monkeypatch):
+    """The same connection read without the provider's hook gives the same variables; what only the hook can
+    resolve (an assumed role) is a clear error, not dropped."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "airflow.providers.amazon.aws.hooks.base_aws", None)
+    extra = {"region_name": "eu-west-1", "endpoint_url": "http://127.0.0.1:9000"}
+    conn(monkeypatch, "a", conn_type="aws", login="AKIA1", password="s3cret", extra=extra)
+    assert credentials.aws_env("a")["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
+    conn(monkeypatch, "r", conn_type="aws", extra={"role_arn": "arn:aws:iam::1:role/x"})
+    with pytest.raises(InvalidSpec, match="role_arn: resolving it needs the Amazon provider"):
+        credentials.aws_env("r")
+
+
+def test_an_aws_connection_without_credentials_gives_the_job_none(monkeypatch):
+    """The cluster's own role answers; the worker's environment keys are not shipped to the job."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "WORKER-KEY")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "worker-secret")
+    conn(monkeypatch, "n", conn_type="aws", extra={"region_name": "us-east-2"})
+    assert credentials.aws_env("n") == {"AWS_REGION": "us-east-2", "AWS_DEFAULT_REGION": "us-east-2"}
+
+
+def test_a_gcp_connection_whose_credentials_only_the_worker_can_resolve_is_refused(monkeypatch):
+    conn(monkeypatch, "g", conn_type="google_cloud_platform", extra={"impersonation_chain": "sa@p.iam"})
+    with pytest.raises(InvalidSpec, match="impersonation_chain"):
+        credentials.gcp_env("g")
+
+
 def test_aws_half_credentials_are_refused(monkeypatch):
     conn(monkeypatch, "a", conn_type="aws", login="AKIA1")
     with pytest.raises(InvalidSpec, match="give both"):
@@ -62,6 +90,22 @@ def test_gcp_keyfile_travels_as_text(monkeypatch):
         ),
         ({"conn_type": "mysql", "host": "m", "login": "root", "schema": "test"}, "mysql", "mysql://root@m/test"),
         ({"conn_type": "sqlite", "host": "/data/w.db"}, "sqlite", "sqlite:/data/w.db"),
+        (
+            {
+                "conn_type": "postgres",
+                "host": "db",
+                "login": "u",
+                "schema": "wh",
+                "extra": {"sslmode": "require", "connect_timeout": 5, "cursor": "dictcursor"},
+            },
+            "postgresql",
+            "postgresql://u@db/wh?sslmode=require&connect_timeout=5",
+        ),
+        (
+            {"conn_type": "mysql", "host": "m", "login": "root", "schema": "test", "extra": {"ssl_ca": "/ca.pem"}},
+            "mysql",
+            "mysql://root@m/test?ssl_ca=%2Fca.pem",
+        ),
     ],
 )
 def test_sql_connections(monkeypatch, fields, dialect, uri):
