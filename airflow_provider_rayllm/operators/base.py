@@ -243,6 +243,7 @@ class RayJobOperator(BaseOperator):
         super().__init__(**kwargs)
         self.take_arguments(locals())
         self._submission_id: str | None = None
+        self._secrets: dict[str, str] | None = None
 
     def take_arguments(self, values: Mapping[str, Any]) -> None:
         """Keep the declared arguments found in ``values`` (an ``__init__``'s locals) as attributes: None for an
@@ -360,6 +361,12 @@ class RayJobOperator(BaseOperator):
             last = (sid, info)
         raise RayLLMError(f"{base_id}: {MAX_GENERATIONS} generations already ran; refusing to submit another")
 
+    def secrets(self) -> dict[str, str]:
+        """``job_secrets()``, read from the connections once per task run."""
+        if self._secrets is None:
+            self._secrets = self.job_secrets()
+        return dict(self._secrets)
+
     def job_secrets(self) -> dict[str, str]:
         """Environment variables the job's processes need that must not show in the Jobs API."""
         env: dict[str, str] = dict(secret_env_vars(self.job_runtime_env)[1])
@@ -396,7 +403,7 @@ class RayJobOperator(BaseOperator):
 
     def _submit(self, submission_id: str, spec: AnySpec, package_dir: Path) -> None:
         (package_dir / SPEC_FILE).write_text(spec.to_json())
-        secrets = self.job_secrets()
+        secrets = self.secrets()
         if secrets:
             path = package_dir / SECRETS_FILE
             path.touch(mode=0o600)
@@ -523,7 +530,7 @@ class RayJobOperator(BaseOperator):
     def _secret_values(self) -> list[str]:
         """The secrets this task sends, to scrub from what it logs or raises (a courtesy when unreadable)."""
         try:
-            return [v for v in self.job_secrets().values() if v and len(v) >= 4]
+            return [v for v in self.secrets().values() if v and len(v) >= 4]
         except Exception:
             return []
 
@@ -574,7 +581,7 @@ class RayJobOperator(BaseOperator):
             try:
                 from airflow_provider_rayllm.contract.storage import read_manifest
 
-                manifest = read_manifest(output_uri, {**os.environ, **self.job_secrets()})
+                manifest = read_manifest(output_uri, {**os.environ, **self.secrets()})
             except Exception as exc:  # e.g. a path only the cluster can see
                 self.log.info(
                     "Manifest at %s not readable from this worker (%s); using the job log copy", output_uri, exc

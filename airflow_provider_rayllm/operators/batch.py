@@ -82,7 +82,7 @@ class BatchOperator(RayJobOperator):
         from airflow_provider_rayllm.contract.storage import read_manifest
 
         try:
-            manifest = read_manifest(spec.sink.uri, {**os.environ, **self.job_secrets()})
+            manifest = read_manifest(spec.sink.uri, {**os.environ, **self.secrets()})
         except Exception as exc:  # a prefix only the cluster can read: Ray's memory decides alone
             self.log.debug("published manifest not readable here: %s", exc)
             return None
@@ -155,7 +155,7 @@ class BatchOperator(RayJobOperator):
         """Push where the output files are, annotate the outlets, and say what the job did."""
         context["ti"].xcom_push(key="outputs_folder", value=manifest["outputs_folder"])
         try:
-            secrets = self.job_secrets()
+            secrets = self.secrets()
         except Exception:  # a link is a courtesy
             secrets = {}
         custom = any(k in secrets for k in ("AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST"))
