@@ -332,8 +332,8 @@ class VLLMProcessorSpec(_Strict):
 
     model_source: str = Field(
         description="Hugging Face id, local path on the cluster, or s3:// / gs:// URI (with serve_deployment: the "
-        "model id the deployment serves).",
-        json_schema_extra=arg(templated=True),
+        "model id the deployment serves). Required, here or in processor_config.",
+        json_schema_extra=arg(templated=True, optional=True),
     )
     task_type: TaskType = Field("generate", description="generate, embed, classify or score.")
     engine_kwargs: dict[str, Any] = Field(

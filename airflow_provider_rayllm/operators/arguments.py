@@ -166,6 +166,23 @@ class GuideFlags(BaseModel):
     )
 
 
+class VLLMGuideConfig(BaseModel):
+    processor_config: Any = Field(
+        None,
+        description="The guide's `vLLMEngineProcessorConfig` as you already have it (or a dict of its fields): each "
+        "field it sets fills the argument of the same name; one given both ways with two values is an error.",
+    )
+
+
+class HttpGuideConfig(BaseModel):
+    processor_config: Any = Field(
+        None,
+        description="The guide's `HttpRequestProcessorConfig` as you already have it (or a dict of its fields): "
+        "qps, concurrency, batch_size, max_retries and base_retry_wait_time_in_s (as backoff_base_s) fill those "
+        "arguments; its url and headers belong in http_conn_id.",
+    )
+
+
 JOB = from_model(JobSettings, None)
 SOURCE = (
     from_model(spec.FileSource, "files")
@@ -179,9 +196,10 @@ LIMITS = from_model(spec.LimitsSpec, "limits")
 VLLM = (
     from_model(spec.VLLMProcessorSpec, "processor", rename_attr={"task_type": "engine_task_type"})
     + from_model(GuideFlags, None)
+    + from_model(VLLMGuideConfig, None)
     + from_model(spec.ServeProcessorSpec, "serve")
 )
-HTTP = from_model(spec.HttpProcessorSpec, "http") + from_model(HttpSettings, None)
+HTTP = from_model(spec.HttpProcessorSpec, "http") + from_model(HttpSettings, None) + from_model(HttpGuideConfig, None)
 UPLOAD = from_model(spec.UploadJobSpec, "upload")
 # Prompt arguments that only an engine the job starts can use.
 ENGINE_ONLY_PROMPT = ("lora_column",)

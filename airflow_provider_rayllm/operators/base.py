@@ -245,6 +245,15 @@ class RayJobOperator(BaseOperator):
         self._submission_id: str | None = None
         self._secrets: dict[str, str] | None = None
 
+    def take_guide_config(self, config: Any, fields: Mapping[str, str], given: Mapping[str, Any]) -> None:
+        """The guide's processor config (``processor_config``): each field it sets fills its argument."""
+        from airflow_provider_rayllm.operators.guide_config import mapped_arguments
+
+        declared = {a.name: a for a in type(self).arguments}
+        defaults = {name: a.signature_default() for name, a in declared.items()}
+        for name, value in mapped_arguments(type(self).__name__, config, fields, given, defaults).items():
+            setattr(self, declared[name].attr, value)
+
     def take_arguments(self, values: Mapping[str, Any]) -> None:
         """Keep the declared arguments found in ``values`` (an ``__init__``'s locals) as attributes: None for an
         argument whose spec field has a default made fresh (``{}``) takes that default."""

@@ -14,6 +14,7 @@ from airflow_provider_rayllm.contract.spec import FileFormat, HttpEndpoint, Sink
 from airflow_provider_rayllm.exceptions import InvalidSpec
 from airflow_provider_rayllm.operators import arguments
 from airflow_provider_rayllm.operators.batch import BatchOperator
+from airflow_provider_rayllm.operators.guide_config import HTTP_FIELDS
 from airflow_provider_rayllm.operators.task_args import RayJobArgs
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ class HttpLLMBatchOperator(BatchOperator):
         price_per_1k_input_tokens: float | None = None,
         price_per_1k_output_tokens: float | None = None,
         http_conn_id: str = "llm_endpoint_default",
+        processor_config: Any = None,
         output_uri: str | None = None,
         output_format: SinkFormat = "parquet",
         output_rows_per_file: int | None = None,
@@ -114,7 +116,9 @@ class HttpLLMBatchOperator(BatchOperator):
         **kwargs: Unpack[RayJobArgs],
     ) -> None:
         super().__init__(**kwargs)
-        self.take_arguments(locals())
+        given = locals()
+        self.take_arguments(given)
+        self.take_guide_config(processor_config, HTTP_FIELDS, given)
 
     def job_secrets(self) -> dict[str, str]:
         env = super().job_secrets()

@@ -12,6 +12,7 @@ from airflow_provider_rayllm.contract.secrets import secret_env_vars, split_secr
 from airflow_provider_rayllm.contract.spec import FileFormat, SinkFormat, SpecError, TaskType, map_guide_flags
 from airflow_provider_rayllm.operators import arguments
 from airflow_provider_rayllm.operators.batch import BatchOperator
+from airflow_provider_rayllm.operators.guide_config import VLLM_FIELDS
 from airflow_provider_rayllm.operators.task_args import RayJobArgs
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class VLLMBatchOperator(BatchOperator):
         image_column: str | None = None,
         image_max_bytes: int = 20971520,
         image_allow_private_hosts: bool = False,
-        model_source: str,
+        model_source: str | None = None,
         task_type: TaskType = "generate",
         engine_kwargs: dict[str, Any] | str | None = None,
         concurrency: int | tuple[int, int] | list[int] | str = 1,
@@ -98,6 +99,7 @@ class VLLMBatchOperator(BatchOperator):
         detokenize: bool | None = None,
         has_image: bool | None = None,
         chat_template: str | None = None,
+        processor_config: Any = None,
         serve_deployment: str | None = None,
         serve_app: str = "default",
         serve_method: Literal["chat", "completions", "embeddings"] = "chat",
@@ -113,7 +115,11 @@ class VLLMBatchOperator(BatchOperator):
         **kwargs: Unpack[RayJobArgs],
     ) -> None:
         super().__init__(**kwargs)
-        self.take_arguments(locals())
+        given = locals()
+        self.take_arguments(given)
+        self.take_guide_config(processor_config, VLLM_FIELDS, given)
+        if self.model_source is None:
+            raise TypeError(f"VLLMBatchOperator (task_id {self.task_id!r}): missing argument 'model_source'")
 
     def job_secrets(self) -> dict[str, str]:
         env = super().job_secrets()

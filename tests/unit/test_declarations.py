@@ -163,3 +163,50 @@ def test_the_package_a_job_receives_leaves_out_the_embedded_stack(tmp_path):
     assert "airflow_provider_rayllm/contract/spec.py" in names
     assert not [n for n in names if n.startswith("airflow_provider_rayllm/local/")]
     assert not [n for n in names if "__pycache__" in n]
+
+
+def test_the_guides_processor_config_fills_the_arguments_of_the_same_names(tmp_path):
+    """The guide's vLLMEngineProcessorConfig, as a user already has it, builds the same spec as the same
+    settings given as keywords; a field given both ways with two values is refused, naming it."""
+    from ray.data.llm import vLLMEngineProcessorConfig
+
+    config = vLLMEngineProcessorConfig(
+        model_source="/models/m",
+        engine_kwargs={"max_model_len": 256, "enable_chunked_prefill": True},
+        concurrency=2,
+        batch_size=16,
+        chat_template_stage=False,
+    )
+    keywords = dict(
+        model_source="/models/m",
+        engine_kwargs={"max_model_len": 256, "enable_chunked_prefill": True},
+        concurrency=2,
+        batch_size=16,
+        apply_chat_template=False,
+    )
+    common = dict(input_uri="/in.jsonl", prompt_column="q", output_uri=str(tmp_path / "out"))
+
+    def processor(op: VLLMBatchOperator) -> dict:
+        return op.processor_body()
+
+    from_config = VLLMBatchOperator(task_id="a", processor_config=config, **common)
+    as_dict = VLLMBatchOperator(task_id="b", processor_config=config.model_dump(exclude_unset=True), **common)
+    from_keywords = VLLMBatchOperator(task_id="c", **keywords, **common)
+    assert processor(from_config) == processor(from_keywords) == processor(as_dict)
+    assert processor(from_config)["chat_template_stage"] is False and processor(from_config)["concurrency"] == 2
+
+    with pytest.raises(TypeError, match=r"batch_size is given both as an argument \(8\) and in processor_config"):
+        VLLMBatchOperator(task_id="d", processor_config=config, batch_size=8, **common)
+    with pytest.raises(TypeError, match="missing argument 'model_source'"):
+        VLLMBatchOperator(task_id="e", **common)
+
+
+def test_the_guides_http_config_fills_its_settings_and_its_url_is_refused():
+    from ray.data.llm import HttpRequestProcessorConfig
+
+    common = dict(task_id="h", model="m", input_uri="/in.jsonl", prompt_column="q")
+    op = HttpLLMBatchOperator(processor_config={"qps": 5, "concurrency": 3, "base_retry_wait_time_in_s": 2}, **common)
+    assert (op.qps, op.concurrency, op.backoff_base_s) == (5, 3, 2)
+    guide = HttpRequestProcessorConfig(url="https://api.openai.com/v1/chat/completions", qps=1)
+    with pytest.raises(TypeError, match=r"processor_config.url is not taken here: .*http_conn_id"):
+        HttpLLMBatchOperator(processor_config=guide, **common)
