@@ -49,10 +49,18 @@ def last_progress(logs: str) -> dict[str, Any] | None:
 def describe_progress(p: dict[str, Any]) -> str:
     read = int(p.get("rows_total") or 0)
     done = int(p.get("rows_done") or 0)
+    elapsed = float(p.get("elapsed_s") or 0)
+    if not read and not done:
+        return f"starting: no input row read yet, {elapsed:.0f} s"
     share = f" ({done / read:.0%} of the rows read so far)" if read else ""
     errored = int(p.get("rows_errored") or 0)
     files = int(p.get("files_written") or 0)
+    tokens = int(p.get("tokens_out") or 0)
+    # The rate since the first answer; a job whose answers all came within one progress period has none
+    # yet, and its rate over the whole run is the honest figure.
+    rate = float(p.get("tokens_per_s") or 0) or (tokens / elapsed if elapsed and tokens else 0.0)
+    shown_rate = f"{rate:.1f} tokens/s, " if tokens else ""
     return (
-        f"{done}/{read} rows done{share}, {errored} error row(s), {int(p.get('tokens_out') or 0)} tokens out, "
-        f"{float(p.get('tokens_per_s') or 0):.1f} tokens/s, {files} file(s) written, {float(p.get('elapsed_s') or 0):.0f} s"
+        f"{done}/{read} rows done{share}, {errored} error row(s), {tokens} tokens out, {shown_rate}"
+        f"{files} file(s) written, {elapsed:.0f} s"
     )

@@ -154,6 +154,16 @@ _PREFIXES = re.compile(rf"^(?:{_PROCESS}\s*|[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\]\s
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)): (\S.*)$")
 
 
+# Ray's message for a failed entrypoint ends its first line by announcing the log it appends.
+_LOG_ANNOUNCED = re.compile(r",?\s*last available logs \(truncated to [\d,]+ chars\):?\s*$")
+
+
+def ray_reason(message: str) -> str:
+    """The first line of Ray's message for a job, without the announcement of the log Ray appends after it
+    (the task log shows the job's own lines already)."""
+    return _LOG_ANNOUNCED.sub("", (message.strip().splitlines() or [""])[0])
+
+
 def root_cause(log_lines: Sequence[str], error: str) -> str:
     """When the job's error only says that a Ray worker died (an engine that could not start: vLLM's own
     message says "See root cause above"), the first exception line the job's log holds before it, with the
@@ -552,7 +562,7 @@ class RayJobOperator(BaseOperator):
             if tail:
                 self.log.error("Last lines of Ray job %s:\n%s", submission_id, scrub(tail, known))
             detail = f": {error}" if error else ""
-            first = (message.strip().splitlines() or [""])[0]
+            first = ray_reason(message)
             raise RayJobFailed(scrub(f"Ray job {submission_id} ended {status}{detail} (Ray: {first})", known))
         manifest = self._read_manifest(submission_id)
         self.publish(context, manifest)

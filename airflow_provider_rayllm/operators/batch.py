@@ -160,8 +160,9 @@ class BatchOperator(RayJobOperator):
             secrets = {}
         custom = any(k in secrets for k in ("AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST"))
         url = output_browser_url(manifest["outputs_folder"], custom_endpoint=custom)
-        if url:
-            context["ti"].xcom_push(key=OUTPUT_URL_XCOM, value=url)
+        # Pushed even when empty (a local folder): Airflow reads every extra link's key when the task ends, and
+        # logs an error for a key that is missing.
+        context["ti"].xcom_push(key=OUTPUT_URL_XCOM, value=url or "")
         self._annotate_outlets(context, manifest)
         cost = manifest.get("estimated_cost")
         self.log.info(

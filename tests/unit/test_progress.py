@@ -23,6 +23,17 @@ def test_lines_round_trip_and_read_well():
     assert last_progress("no progress yet") is None
 
 
+def test_the_first_and_last_lines_of_a_short_job_say_something_true():
+    """Before any row is read there is no '0/0 rows'; a job whose answers all came within one period shows its
+    rate over the whole run, not 0.0 tokens/s."""
+    first = describe_progress(parse_progress(Progress(0, 0, 0, 0, 2.0, 0.0).line()))
+    assert first == "starting: no input row read yet, 2 s" and "0/0" not in first
+    last = describe_progress(parse_progress(Progress(16, 16, 0, 155, 31.0, 0.0).line()))
+    assert " 0.0 tokens/s" not in last and f"{155 / 31.0:.1f} tokens/s" in last
+    unanswered = describe_progress(parse_progress(Progress(0, 16, 0, 0, 5.0, 0.0).line()))
+    assert "tokens/s" not in unanswered and unanswered.startswith("0/16 rows done")
+
+
 def test_a_key_reported_twice_counts_once():
     tally = progress.Tally()
     tally.read("t1:1", 10, 2)
