@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from airflow_provider_rayllm.contract.names import ERROR_COLUMN, OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT
 from airflow_provider_rayllm.contract.spec import JobSpec, PromptSpec
-from airflow_provider_rayllm.job import generations, io, manifest, resume
+from airflow_provider_rayllm.job import filesystems, generations, manifest, resume
 from airflow_provider_rayllm.job.engines import open_engine
 from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine
 from airflow_provider_rayllm.job.errors import JobError
@@ -253,7 +253,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     # 2. This attempt's own folder; with an id column, the answers an earlier attempt saved.
     generation = generations.start(spec)
     gen_uri = generations.generation_uri(spec.sink.uri, generation.name)
-    outputs_folder, errors_folder = io.join(gen_uri, OUTPUTS), io.join(gen_uri, ERRORS)
+    outputs_folder, errors_folder = filesystems.join(gen_uri, OUTPUTS), filesystems.join(gen_uri, ERRORS)
     published = manifest.read(spec.sink.uri)
     saved = (
         resume.saved_files(spec.sink.uri, generation, (published or {}).get("generation"))

@@ -228,9 +228,9 @@ def image_url(value: Any, max_bytes: int = 20 << 20, allow_private: bool = False
         if value.startswith(("http://", "https://")):
             value = _fetch(value, max_bytes, allow_private)
         else:
-            from airflow_provider_rayllm.job import io as job_io
+            from airflow_provider_rayllm.job import filesystems
 
-            fs, path = job_io.filesystem_for(value)
+            fs, path = filesystems.filesystem_for(value)
             try:
                 with fs.open_input_stream(path) as stream:
                     value = _read_capped(stream, max_bytes, f"image {value!r}")

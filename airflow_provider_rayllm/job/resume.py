@@ -14,7 +14,7 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
-from airflow_provider_rayllm.job import generations, io
+from airflow_provider_rayllm.job import filesystems, generations
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.sinks.files import OUTPUTS
 
@@ -25,8 +25,10 @@ def saved_files(output_uri: str, current: generations.Generation, published: str
     """Output files of this run's earlier unpublished attempts, oldest attempt first."""
     files: list[str] = []
     for g in generations.unpublished_earlier(output_uri, current, published):
-        folder = io.join(generations.generation_uri(output_uri, g.name), OUTPUTS)
-        files += [f["uri"] for f in io.list_files(folder) if not posixpath.basename(f["uri"]).startswith(ADOPTED)]
+        folder = filesystems.join(generations.generation_uri(output_uri, g.name), OUTPUTS)
+        files += [
+            f["uri"] for f in filesystems.list_files(folder) if not posixpath.basename(f["uri"]).startswith(ADOPTED)
+        ]
     return files
 
 
@@ -37,7 +39,7 @@ def read_ids(files: list[str], id_column: str) -> set[Any]:
 
     ids: set[Any] = set()
     for uri in files:
-        fs, path = io.filesystem_for(uri)
+        fs, path = filesystems.filesystem_for(uri)
         with fs.open_input_file(path) as handle:
             table = pq.read_table(handle, columns=[id_column]) if uri.endswith(".parquet") else pajson.read_json(handle)
         if id_column not in table.column_names:
@@ -50,7 +52,7 @@ def rows_in_file(uri: str) -> int:
     """Rows of one output file: a Parquet footer, or the lines of a JSONL file."""
     import pyarrow.parquet as pq
 
-    fs, path = io.filesystem_for(uri)
+    fs, path = filesystems.filesystem_for(uri)
     with fs.open_input_file(path) as handle:
         if uri.endswith(".parquet"):
             return pq.ParquetFile(handle).metadata.num_rows
@@ -61,8 +63,8 @@ def adopt(files: list[str], generation_uri: str) -> list[dict[str, Any]]:
     """Copy the saved files into this generation's outputs; their entries for the manifest."""
     adopted = []
     for i, uri in enumerate(files):
-        target = io.join(generation_uri, OUTPUTS, f"{ADOPTED}{i:06d}-{posixpath.basename(uri)}")
-        io.copy_file(uri, target)
+        target = filesystems.join(generation_uri, OUTPUTS, f"{ADOPTED}{i:06d}-{posixpath.basename(uri)}")
+        filesystems.copy_file(uri, target)
         adopted.append(target)
-    sizes = {f["uri"]: f["bytes"] for f in io.list_files(io.join(generation_uri, OUTPUTS))}
+    sizes = {f["uri"]: f["bytes"] for f in filesystems.list_files(filesystems.join(generation_uri, OUTPUTS))}
     return [{"uri": uri, "rows": rows_in_file(uri), "bytes": sizes.get(uri, 0)} for uri in adopted]

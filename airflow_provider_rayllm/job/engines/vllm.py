@@ -215,11 +215,11 @@ class _readable_config:
             return self.model_source
         import tempfile
 
-        from airflow_provider_rayllm.job import io
+        from airflow_provider_rayllm.job import filesystems
 
         self.tmp = tempfile.TemporaryDirectory(prefix="rayllm-config-")
         for name in self.FILES:
-            fs, path = io.filesystem_for(io.join(self.model_source.rstrip("/"), name))
+            fs, path = filesystems.filesystem_for(filesystems.join(self.model_source.rstrip("/"), name))
             try:
                 with fs.open_input_stream(path) as src, open(os.path.join(self.tmp.name, name), "wb") as dst:
                     dst.write(src.read())
@@ -426,11 +426,11 @@ def check_lora_adapters(path: str | None, names: list[str] | None) -> None:
     """Every adapter the rows may name exists before any engine starts."""
     if not path or not names:
         return
-    from airflow_provider_rayllm.job import io
+    from airflow_provider_rayllm.job import filesystems
 
     for name in names:
-        config = io.join(path, name, "adapter_config.json")
-        fs, inner = io.filesystem_for(config)
+        config = filesystems.join(path, name, "adapter_config.json")
+        fs, inner = filesystems.filesystem_for(config)
         import pyarrow.fs as pafs
 
         if fs.get_file_info(inner).type == pafs.FileType.NotFound:
@@ -440,9 +440,9 @@ def check_lora_adapters(path: str | None, names: list[str] | None) -> None:
 def check_model_source(model_source: str) -> None:
     scheme = uri_scheme(model_source)
     if scheme in ("s3", "gs", "gcs"):
-        from airflow_provider_rayllm.job import io
+        from airflow_provider_rayllm.job import filesystems
 
-        fs, root = io.filesystem_for(model_source.rstrip("/"))
+        fs, root = filesystems.filesystem_for(model_source.rstrip("/"))
         import pyarrow.fs as pafs
 
         try:

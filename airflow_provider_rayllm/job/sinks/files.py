@@ -18,7 +18,7 @@ from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
 from airflow_provider_rayllm.contract.names import ERROR_COLUMN
-from airflow_provider_rayllm.job import io
+from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.engines.base import Shaper, plain
 from airflow_provider_rayllm.job.requests import STASH
 
@@ -43,7 +43,7 @@ def encode(rows: list[dict[str, Any]], fmt: str) -> bytes:
 
 def write_file(uri: str, rows: list[dict[str, Any]], fmt: str) -> dict[str, Any]:
     data = encode(rows, fmt)
-    io.write_bytes_atomic(uri, data)
+    filesystems.write_bytes_atomic(uri, data)
     return {"uri": uri, "rows": len(rows), "bytes": len(data)}
 
 
@@ -84,10 +84,12 @@ class ResultSink(Datasink):
         name = f"part-{ctx.task_idx:06d}{EXTENSIONS[self.fmt]}"
         result: dict[str, Any] = {
             "task": ctx.task_idx,
-            "output_file": write_file(io.join(self.generation_uri, OUTPUTS, name), outputs, self.fmt)
+            "output_file": write_file(filesystems.join(self.generation_uri, OUTPUTS, name), outputs, self.fmt)
             if outputs
             else None,
-            "error_file": write_file(io.join(self.generation_uri, ERRORS, name), errors, self.fmt) if errors else None,
+            "error_file": write_file(filesystems.join(self.generation_uri, ERRORS, name), errors, self.fmt)
+            if errors
+            else None,
             "tokens_in": tokens_in,
             "tokens_out": tokens_out,
             "error_reasons": dict(reasons),

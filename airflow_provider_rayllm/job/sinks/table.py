@@ -17,7 +17,7 @@ from datetime import date, datetime
 from typing import Any
 
 from airflow_provider_rayllm.contract.names import SINK_SQL_URI_ENV
-from airflow_provider_rayllm.job import io
+from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.sources.sql import connect
 
@@ -71,7 +71,7 @@ def _read(uri: str) -> Any:
     import pyarrow.json as pajson
     import pyarrow.parquet as pq
 
-    fs, path = io.filesystem_for(uri)
+    fs, path = filesystems.filesystem_for(uri)
     with fs.open_input_file(path) as handle:
         return pq.read_table(handle) if uri.endswith(".parquet") else pajson.read_json(handle)
 
@@ -83,7 +83,7 @@ def _schema(files: list[str]) -> Any:
     schemas = []
     for uri in files:
         if uri.endswith(".parquet"):
-            fs, path = io.filesystem_for(uri)
+            fs, path = filesystems.filesystem_for(uri)
             with fs.open_input_file(path) as handle:
                 schemas.append(pq.ParquetFile(handle).schema_arrow)
         else:

@@ -13,7 +13,7 @@ import pyarrow.fs as pafs
 
 from airflow_provider_rayllm.contract.spec import FileSource, format_from_uri, uri_scheme
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.job.io import filesystem_for
+from airflow_provider_rayllm.job.filesystems import filesystem_for
 
 # Enough of a JSON or CSV file to learn its columns (pyarrow infers from its first block too).
 PROBE_BYTES = 1 << 20
