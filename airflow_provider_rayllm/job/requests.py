@@ -399,7 +399,7 @@ class IdGate:
     """Each id once (a repeat fails the job, naming it); ids answered by an earlier attempt are skipped."""
 
     def __init__(self, id_column: str, saved_files: list[str], tally: Any):
-        from airflow_provider_rayllm.job.resume import read_ids
+        from airflow_provider_rayllm.job.publish.resume import read_ids
 
         self.column = id_column
         self.saved = read_ids(saved_files, id_column)

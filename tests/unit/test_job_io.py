@@ -3,8 +3,9 @@
 import pytest
 
 from airflow_provider_rayllm.contract.spec import FileSource
-from airflow_provider_rayllm.job import filesystems, generations
+from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.publish import generations
 from airflow_provider_rayllm.job.sources import files as source_files
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
-from airflow_provider_rayllm.job import filesystems, generations
+from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.publish import generations
 from airflow_provider_rayllm.job.sinks.files import OUTPUTS
 
 ADOPTED = "adopted-"
