@@ -27,7 +27,7 @@ from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.progress import ProgressLog, Tap
 from airflow_provider_rayllm.job.publish.publisher import Publisher
-from airflow_provider_rayllm.job.requests import RequestStage
+from airflow_provider_rayllm.job.requests.stage import RequestStage
 from airflow_provider_rayllm.job.sinks.files import ResultSink, totals
 from airflow_provider_rayllm.job.sources import open_input
 

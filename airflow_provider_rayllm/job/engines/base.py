@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 from airflow_provider_rayllm.contract.names import OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT
 from airflow_provider_rayllm.contract.spec import JobSpec
-from airflow_provider_rayllm.job.requests import STASH, load_callable
+from airflow_provider_rayllm.job.requests.callables import load_callable
+from airflow_provider_rayllm.job.stream import STASH
 
 # Ray's own column for a row that failed (its engine stages pass such rows through untouched); our
 # request step and our HTTP callers use it too, so every engine's failed rows look alike.

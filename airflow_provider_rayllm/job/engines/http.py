@@ -16,7 +16,7 @@ from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine, Shape
 from airflow_provider_rayllm.job.engines.http_client import EndpointClient
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.progress import column_sum
-from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, STASH
+from airflow_provider_rayllm.job.stream import PRE_ERROR, REQUEST, STASH
 
 API_KEY_ENV = HTTP_API_KEY_ENV
 

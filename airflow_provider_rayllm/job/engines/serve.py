@@ -14,7 +14,7 @@ from airflow_provider_rayllm.contract.spec import JobSpec, ServeProcessorSpec
 from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine, Shaper, count, plain
 from airflow_provider_rayllm.job.engines.http import extract, openai_body
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST
+from airflow_provider_rayllm.job.stream import PRE_ERROR, REQUEST
 
 # Our endpoint names -> (the Serve LLM server's method, its request class, the HTTP pipeline's endpoint)
 METHODS = {

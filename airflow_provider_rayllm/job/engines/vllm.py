@@ -17,7 +17,8 @@ from airflow_provider_rayllm.contract.spec import JobSpec, VLLMProcessorSpec, is
 from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine, Shaper, count, plain
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.progress import column_sum
-from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, LoraRouting
+from airflow_provider_rayllm.job.requests.lora import LoraRouting
+from airflow_provider_rayllm.job.stream import PRE_ERROR, REQUEST
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 
@@ -399,7 +400,7 @@ def check_sampling_params(sampling_params: dict[str, Any]) -> None:
     import vllm.exceptions
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-    from airflow_provider_rayllm.job.requests import normalize_sampling_params
+    from airflow_provider_rayllm.job.requests.sampling import normalize_sampling_params
 
     params = normalize_sampling_params(sampling_params)
     n = params.get("n", 1)

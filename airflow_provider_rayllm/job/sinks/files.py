@@ -20,7 +20,7 @@ from ray.data.block import BlockAccessor
 from airflow_provider_rayllm.contract.names import ERROR_COLUMN
 from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.engines.base import Shaper, plain
-from airflow_provider_rayllm.job.requests import STASH
+from airflow_provider_rayllm.job.stream import STASH
 
 OUTPUTS = "outputs"
 ERRORS = "errors"
