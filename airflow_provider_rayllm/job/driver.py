@@ -23,13 +23,14 @@ from typing import Any, Iterator
 from airflow_provider_rayllm.contract.names import ERROR_COLUMN, OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT
 from airflow_provider_rayllm.contract.spec import JobSpec, PromptSpec
 from airflow_provider_rayllm.job.engines import open_engine
-from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine
+from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.progress import ProgressLog, Tap
 from airflow_provider_rayllm.job.publish.publisher import Publisher
 from airflow_provider_rayllm.job.requests.stage import RequestStage
 from airflow_provider_rayllm.job.sinks.files import ResultSink, totals
 from airflow_provider_rayllm.job.sources import open_input
+from airflow_provider_rayllm.job.stream import ERROR, LIGHT
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 

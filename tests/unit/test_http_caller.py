@@ -7,9 +7,8 @@ import numpy as np
 from aiohttp import web
 
 from airflow_provider_rayllm.contract.spec import HttpProcessorSpec
-from airflow_provider_rayllm.job.engines.base import ERROR
 from airflow_provider_rayllm.job.engines.http import RESPONSE, TOKENS_OUT, HttpCaller
-from airflow_provider_rayllm.job.stream import PRE_ERROR, REQUEST, STASH
+from airflow_provider_rayllm.job.stream import ERROR, PRE_ERROR, REQUEST, STASH
 
 
 def test_batch_from_a_plain_thread():

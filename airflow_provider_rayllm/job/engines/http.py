@@ -12,11 +12,12 @@ import numpy as np
 from airflow_provider_rayllm.contract.names import HTTP_API_KEY_ENV, HTTP_USERINFO_ENV
 from airflow_provider_rayllm.contract.secrets import redact
 from airflow_provider_rayllm.contract.spec import HttpProcessorSpec, JobSpec
-from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine, Shaper, count
+from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.engines.http_client import EndpointClient
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.progress import column_sum
-from airflow_provider_rayllm.job.stream import PRE_ERROR, REQUEST, STASH
+from airflow_provider_rayllm.job.shaping import Shaper
+from airflow_provider_rayllm.job.stream import ERROR, LIGHT, PRE_ERROR, REQUEST, STASH, count
 
 API_KEY_ENV = HTTP_API_KEY_ENV
 

@@ -11,10 +11,11 @@ import json
 from typing import Any, Callable
 
 from airflow_provider_rayllm.contract.spec import JobSpec, ServeProcessorSpec
-from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine, Shaper, count, plain
+from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.engines.http import extract, openai_body
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.job.stream import PRE_ERROR, REQUEST
+from airflow_provider_rayllm.job.shaping import Shaper
+from airflow_provider_rayllm.job.stream import ERROR, LIGHT, PRE_ERROR, REQUEST, count, plain
 
 # Our endpoint names -> (the Serve LLM server's method, its request class, the HTTP pipeline's endpoint)
 METHODS = {

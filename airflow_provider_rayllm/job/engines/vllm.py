@@ -14,11 +14,12 @@ from typing import Any, Callable
 from airflow_provider_rayllm.contract.names import SECRET_MARKER
 from airflow_provider_rayllm.contract.secrets import redact
 from airflow_provider_rayllm.contract.spec import JobSpec, VLLMProcessorSpec, is_local_path, uri_scheme
-from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine, Shaper, count, plain
+from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.progress import column_sum
 from airflow_provider_rayllm.job.requests.lora import LoraRouting
-from airflow_provider_rayllm.job.stream import PRE_ERROR, REQUEST
+from airflow_provider_rayllm.job.shaping import Shaper
+from airflow_provider_rayllm.job.stream import ERROR, LIGHT, PRE_ERROR, REQUEST, count, plain
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 

@@ -15,7 +15,6 @@ import posixpath
 from typing import Any
 
 from airflow_provider_rayllm.job import filesystems
-from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.publish import generations
 from airflow_provider_rayllm.job.sinks.files import OUTPUTS
 
@@ -31,22 +30,6 @@ def saved_files(output_uri: str, current: generations.Generation, published: str
             f["uri"] for f in filesystems.list_files(folder) if not posixpath.basename(f["uri"]).startswith(ADOPTED)
         ]
     return files
-
-
-def read_ids(files: list[str], id_column: str) -> set[Any]:
-    """The ids in the given output files (only that column is read)."""
-    import pyarrow.json as pajson
-    import pyarrow.parquet as pq
-
-    ids: set[Any] = set()
-    for uri in files:
-        fs, path = filesystems.filesystem_for(uri)
-        with fs.open_input_file(path) as handle:
-            table = pq.read_table(handle, columns=[id_column]) if uri.endswith(".parquet") else pajson.read_json(handle)
-        if id_column not in table.column_names:
-            raise JobError(f"saved rows in {uri!r} have no id column {id_column!r}; columns: {table.column_names!r}")
-        ids.update(table.column(id_column).to_pylist())
-    return ids
 
 
 def rows_in_file(uri: str) -> int:

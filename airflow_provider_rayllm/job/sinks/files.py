@@ -19,8 +19,8 @@ from ray.data.block import BlockAccessor
 
 from airflow_provider_rayllm.contract.names import ERROR_COLUMN
 from airflow_provider_rayllm.job import filesystems
-from airflow_provider_rayllm.job.engines.base import Shaper, plain
-from airflow_provider_rayllm.job.stream import STASH
+from airflow_provider_rayllm.job.shaping import Shaper
+from airflow_provider_rayllm.job.stream import STASH, plain
 
 OUTPUTS = "outputs"
 ERRORS = "errors"

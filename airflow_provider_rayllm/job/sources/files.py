@@ -178,7 +178,7 @@ def read(source: FileSource, files: list[str], fmt: str) -> Any:
     """A lazy Ray dataset over the given files."""
     import ray.data
 
-    from airflow_provider_rayllm.job.engines.base import LIGHT
+    from airflow_provider_rayllm.job.stream import LIGHT
 
     # Reading is light work beside the engine: a whole CPU per read task would wait behind the engine's
     # actors on a small cluster.
