@@ -84,7 +84,7 @@ def test_structured_output_names_are_normalized():
 
 
 def test_bad_sampling_params_are_refused_before_the_engine():
-    from airflow_provider_rayllm.job.engines.vllm import check_sampling_params
+    from airflow_provider_rayllm.job.engines.vllm.checks import check_sampling_params
     from airflow_provider_rayllm.job.errors import JobError
 
     check_sampling_params({"max_tokens": 4, "structured_outputs": {"regex": "[0-9]+"}})
@@ -248,7 +248,7 @@ def test_image_column_is_for_generation_with_a_prompt_column_or_template():
 def test_the_guides_pil_image_part_becomes_an_image_url_part_the_engine_takes():
     import base64
 
-    from airflow_provider_rayllm.job.engines.vllm import unpack_request
+    from airflow_provider_rayllm.job.engines.vllm.processor import unpack_request
 
     out = build({"preprocess": {"import_path": "tests.unit.helpers:guide_image_request"}})(
         {"id": 1, "q": "What color?", "image": {"bytes": _png()}}

@@ -14,7 +14,7 @@ from airflow_provider_rayllm.job.errors import JobError
 
 
 def _vllm() -> type[Engine]:
-    from airflow_provider_rayllm.job.engines.vllm import VLLMEngine
+    from airflow_provider_rayllm.job.engines.vllm.engine import VLLMEngine
 
     return VLLMEngine
 
