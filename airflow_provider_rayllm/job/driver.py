@@ -25,7 +25,7 @@ from airflow_provider_rayllm.contract.spec import JobSpec, PromptSpec
 from airflow_provider_rayllm.job.engines import open_engine
 from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.job.progress import ProgressLog, Tap
+from airflow_provider_rayllm.job.progress import AnswerCounter, ProgressLog
 from airflow_provider_rayllm.job.publish.publisher import Publisher
 from airflow_provider_rayllm.job.requests.stage import RequestStage
 from airflow_provider_rayllm.job.sinks.files import ResultSink, totals
@@ -35,7 +35,7 @@ from airflow_provider_rayllm.job.stream import ERROR, LIGHT
 log = logging.getLogger("airflow_provider_rayllm.job")
 
 
-def say(msg: str, *args: Any) -> None:
+def log_info(msg: str, *args: Any) -> None:
     log.info(msg, *args)
     sys.stdout.flush()
 
@@ -64,7 +64,7 @@ def kept_columns(prompt: PromptSpec, columns: list[str]) -> list[str]:
 
 
 def plan(
-    spec: JobSpec, engine: Engine, ds: Any, keep: list[str], package_dir: str, tally: Any, saved: list[str]
+    spec: JobSpec, engine: Engine, ds: Any, keep: list[str], package_dir: str, counts: Any, saved: list[str]
 ) -> Any:
     """The lazy plan up to the sink: rows -> requests -> blocks of one engine batch -> answered rows."""
     stage = dict(
@@ -72,7 +72,7 @@ def plan(
         task_type=spec.task_type,
         keep=keep,
         package_dir=package_dir,
-        tally=tally,
+        counts=counts,
         lora=engine.lora(),
         saved_files=saved,
     )
@@ -93,7 +93,7 @@ def plan(
     # done (a streaming repartition: no block waits for the others).
     ds = ds.repartition(target_num_rows_per_block=engine.block_rows())
     answered = engine.apply(ds)
-    tap = Tap(tally, ERROR, engine.tokens_out())
+    tap = AnswerCounter(counts, ERROR, engine.tokens_out())
     return answered.map_batches(tap, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **LIGHT)
 
 
@@ -186,7 +186,7 @@ def _configure_ray_data(spec: JobSpec) -> None:
     if window:
         limits = ctx.execution_options.resource_limits
         ctx.execution_options.resource_limits = limits.copy(object_store_memory=window * 2**20)
-        say("object store window: %d MiB for the rows in flight", window)
+        log_info("object store window: %d MiB for the rows in flight", window)
 
 
 # A crash on purpose at a named step (the job's env var RAYLLM_FAILPOINT=<step>), for the tests of what a
@@ -196,7 +196,7 @@ FAILPOINT_ENV = "RAYLLM_FAILPOINT"
 
 def failpoint(step: str) -> None:
     if os.environ.get(FAILPOINT_ENV) == step:
-        say("failpoint %s: the driver ends here", step)
+        log_info("failpoint %s: the driver ends here", step)
         sys.stdout.flush()
         os._exit(1)
 
@@ -207,11 +207,11 @@ def preflight(spec: JobSpec, package_dir: str) -> tuple[Any, list[str], Engine]:
     own judgement) and the cluster's room for them."""
     source = open_input(spec)
     keep = kept_columns(spec.prompt, source.columns)
-    say("input: %s", source.description)
+    log_info("input: %s", source.description)
     engine = open_engine(spec, package_dir)
     engine.check()
     check_free_cpus(engine, spec)
-    say("%s", engine.describe())
+    log_info("%s", engine.describe())
     return source, keep, engine
 
 
@@ -229,13 +229,15 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     # 2. This attempt's own folder; with an id column, the answers an earlier attempt saved.
     publisher = Publisher.start(spec)
     saved = publisher.find_saved()
-    say("writing generation %s (%d saved file(s) of earlier attempts to resume from)", publisher.uri, len(saved))
+    log_info("writing generation %s (%d saved file(s) of earlier attempts to resume from)", publisher.uri, len(saved))
 
     # 3. The stream, once.
-    with ProgressLog(print_line, say, engine.actor_name()) as progress:
-        sink = ResultSink(publisher.uri, spec.sink.format, rows_per_file(spec, engine), engine.shaper(), progress.tally)
+    with ProgressLog(print_line, log_info, engine.actor_name()) as progress:
+        sink = ResultSink(
+            publisher.uri, spec.sink.format, rows_per_file(spec, engine), engine.shaper(), progress.counts
+        )
         try:
-            plan(spec, engine, source.ds, keep, package_dir, progress.tally, saved).write_datasink(
+            plan(spec, engine, source.ds, keep, package_dir, progress.counts, saved).write_datasink(
                 sink, ray_remote_args=WRITE
             )
         except Exception as exc:
@@ -247,7 +249,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         timeline = progress.timeline(counted, started)
     written = totals(sink.results)
     for example in written["error_examples"]:
-        say("error row: %s", example)
+        log_info("error row: %s", example)
 
     # 4. Counts agree, the error gate; nothing is published before both pass.
     publisher.adopt_saved()
@@ -257,7 +259,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     table_rows = publisher.commit_table(written)
     if table_rows is not None and spec.sink.table is not None:
         t = spec.sink.table
-        say("output table %s: %d rows for run key %s", t.table, table_rows, t.run_key)
+        log_info("output table %s: %d rows for run key %s", t.table, table_rows, t.run_key)
         failpoint("after_table_commit")
     body = publisher.build_manifest(
         submission_id=submission_id,
@@ -272,7 +274,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     )
     publisher.write_manifest(body)
     removed = publisher.remove_older()
-    say(
+    log_info(
         "published %s: %d rows in, %d out (%d resumed), %d error rows, tokens in/out %d/%d, %.1f s; older generations removed: %d",
         spec.sink.uri,
         rows_in,

@@ -9,7 +9,7 @@ from typing import Any, Callable
 from airflow_provider_rayllm.contract.names import OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT
 from airflow_provider_rayllm.contract.spec import JobSpec
 from airflow_provider_rayllm.job.requests.callables import load_callable
-from airflow_provider_rayllm.job.stream import ERROR, STASH, plain
+from airflow_provider_rayllm.job.stream import ERROR, KEPT_INPUT, to_python
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Shaper:
         """(value for output_column, tokens in, tokens out, extra output columns)."""
         raise NotImplementedError
 
-    def view(self, row: dict[str, Any], stash: dict[str, Any], value: Any) -> dict[str, Any]:
+    def view(self, row: dict[str, Any], kept: dict[str, Any], value: Any) -> dict[str, Any]:
         """What the user's postprocess sees: the engine's fields, as the guide names them, and the input."""
         raise NotImplementedError
 
@@ -47,7 +47,7 @@ class Shaper:
         error = row.get(ERROR) or ""
         if error:
             return Shaped(None, str(error), 0, 0)
-        stash = dict(row.get(STASH) or {})
+        kept = dict(row.get(KEPT_INPUT) or {})
         try:
             value, tokens_in, tokens_out, extra = self.answer(row)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -55,7 +55,7 @@ class Shaper:
         user = self.postprocess()
         if user is None:
             output = {
-                **stash,
+                **kept,
                 self.output_column: value,
                 **extra,
                 OUTPUT_TOKENS_IN: tokens_in,
@@ -63,9 +63,9 @@ class Shaper:
             }
             return Shaped(output, "", tokens_in, tokens_out)
         try:
-            result = user(self.view(row, stash, value))
+            result = user(self.view(row, kept, value))
         except Exception as exc:  # one row's postprocess must not stop the job
             return Shaped(None, f"postprocess: {type(exc).__name__}: {exc}", tokens_in, tokens_out)
         if not isinstance(result, dict):
             return Shaped(None, f"postprocess: returned {type(result).__name__}, not a dict", tokens_in, tokens_out)
-        return Shaped(plain(result), "", tokens_in, tokens_out)
+        return Shaped(to_python(result), "", tokens_in, tokens_out)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# Columns the job carries through Ray's stages; input columns are stashed so the engine's own
-# output columns (``prompt``, ``messages``...) cannot overwrite them.
-STASH = "__rayllm_in"
+# Columns the job carries through Ray's stages. The input columns a row keeps travel as one column
+# (KEPT_INPUT), so the engine's own output columns (``prompt``, ``messages``...) cannot overwrite them.
+KEPT_INPUT = "__rayllm_in"
 REQUEST = "__rayllm_request"
 PRE_ERROR = "__rayllm_pre_error"
 # Ray's own column for a row that failed (its engine stages pass such rows through untouched); our
@@ -34,12 +34,12 @@ def count(value: Any) -> int:
     return int(number) if math.isfinite(number) else 0
 
 
-def plain(value: Any) -> Any:
+def to_python(value: Any) -> Any:
     """numpy values (what Ray's blocks hold) as plain Python, for files and user code."""
     if hasattr(value, "tolist"):
         return value.tolist()
     if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
+        return {k: to_python(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
+        return [to_python(v) for v in value]
     return value

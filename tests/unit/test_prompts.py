@@ -6,7 +6,7 @@ import pytest
 
 from airflow_provider_rayllm.contract.spec import PromptSpec
 from airflow_provider_rayllm.job.requests.prompts import RequestBuilder
-from airflow_provider_rayllm.job.stream import PRE_ERROR, REQUEST, STASH
+from airflow_provider_rayllm.job.stream import KEPT_INPUT, PRE_ERROR, REQUEST
 
 
 def build(prompt: dict, task_type="generate", keep=("id", "q")):
@@ -20,7 +20,7 @@ def test_prompt_column_with_system_prompt():
     request = json.loads(out[REQUEST])
     assert request["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
     assert request["sampling_params"] == {"max_tokens": 5}
-    assert out[STASH] == {"id": 1, "q": "Why?"}
+    assert out[KEPT_INPUT] == {"id": 1, "q": "Why?"}
     assert out[PRE_ERROR] == ""
 
 
@@ -32,7 +32,7 @@ def test_template_uses_columns():
 def test_empty_column_is_an_error_row_not_an_exception():
     out = build({"prompt_column": "q"})({"id": 2, "q": None})
     assert out[PRE_ERROR].startswith("prompt: ValueError: column 'q' is empty")
-    assert out[STASH]["id"] == 2
+    assert out[KEPT_INPUT]["id"] == 2
 
 
 def test_nan_from_a_reader_counts_as_empty():

@@ -25,7 +25,7 @@ class Engine:
         return None
 
     def apply(self, ds: Any) -> Any:
-        """Requests (``STASH``, ``REQUEST``, ``PRE_ERROR``) -> answered rows (``STASH``, ``ERROR``, answers)."""
+        """Requests (``KEPT_INPUT``, ``REQUEST``, ``PRE_ERROR``) -> answered rows (``KEPT_INPUT``, ``ERROR``, answers)."""
         raise NotImplementedError
 
     def shaper(self) -> Shaper:

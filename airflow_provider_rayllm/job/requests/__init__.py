@@ -1,6 +1,6 @@
 """Rows -> requests: the first step after the read, declaratively or with the user's callable.
 
-Every row leaves this step with three columns: the input columns it keeps (``STASH``), its request as
+Every row leaves this step with three columns: the input columns it keeps (``KEPT_INPUT``), its request as
 JSON (``REQUEST``) and, for a row that cannot be prompted, why (``PRE_ERROR``; the engines pass such a
 row through untouched, so it reaches the sink as an error row in the same stream). The columns are
 named in ``job.stream``.

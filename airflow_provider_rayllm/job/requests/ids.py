@@ -28,13 +28,13 @@ def read_ids(files: list[str], id_column: str) -> set[Any]:
 class IdGate:
     """Each id once (a repeat fails the job, naming it); ids answered by an earlier attempt are skipped."""
 
-    def __init__(self, id_column: str, saved_files: list[str], tally: Any):
+    def __init__(self, id_column: str, saved_files: list[str], counts: Any):
         self.column = id_column
         self.saved = read_ids(saved_files, id_column)
         self.seen: set[Any] = set()
         import ray
 
-        ray.get(tally.saved.remote(len(self.saved)))
+        ray.get(counts.saved.remote(len(self.saved)))
 
     def admit(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
         kept = []

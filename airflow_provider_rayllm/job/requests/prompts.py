@@ -10,7 +10,7 @@ from airflow_provider_rayllm.job.requests.callables import load_callable
 from airflow_provider_rayllm.job.requests.images import guide_image_parts, image_data_url, image_url, is_image
 from airflow_provider_rayllm.job.requests.lora import LoraRouting
 from airflow_provider_rayllm.job.requests.sampling import normalize_sampling_params
-from airflow_provider_rayllm.job.stream import PRE_ERROR, REQUEST, STASH, is_empty
+from airflow_provider_rayllm.job.stream import KEPT_INPUT, PRE_ERROR, REQUEST, is_empty
 
 
 def _jsonable(value: Any) -> Any:
@@ -27,7 +27,7 @@ def _jsonable(value: Any) -> Any:
 
 
 class RequestBuilder:
-    """Row -> {stash, request JSON, error}. A row that cannot be turned into a request becomes an error row."""
+    """Row -> {kept input columns, request JSON, error}. A row that cannot be turned into a request becomes an error row."""
 
     def __init__(
         self,
@@ -111,7 +111,7 @@ class RequestBuilder:
         return request
 
     def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
-        stash = {name: row.get(name) for name in self.keep}
+        kept = {name: row.get(name) for name in self.keep}
         try:
             body = self.request(row)
             if self.lora is not None:
@@ -120,4 +120,4 @@ class RequestBuilder:
             error = ""
         except Exception as exc:  # one bad row must not stop the job
             request, error = "{}", f"prompt: {type(exc).__name__}: {exc}"
-        return {STASH: stash, REQUEST: request, PRE_ERROR: error}
+        return {KEPT_INPUT: kept, REQUEST: request, PRE_ERROR: error}

@@ -8,11 +8,11 @@ from airflow_provider_rayllm.contract.spec import PromptSpec
 from airflow_provider_rayllm.job.requests.ids import IdGate
 from airflow_provider_rayllm.job.requests.lora import LoraRouting
 from airflow_provider_rayllm.job.requests.prompts import RequestBuilder
-from airflow_provider_rayllm.job.stream import PRE_ERROR, REQUEST, STASH
+from airflow_provider_rayllm.job.stream import KEPT_INPUT, PRE_ERROR, REQUEST
 
 
 class RequestStage:
-    """Ray Data stage: a batch of input rows -> their requests, counted into the job's tally as read.
+    """Ray Data stage: a batch of input rows -> their requests, counted into the job's ``StreamCounts`` as read.
 
     With ``id_column`` it also refuses a duplicate or missing id (the uniqueness check, done as the rows
     stream by) and drops the rows an earlier attempt of this run already answered (resume). Holding the
@@ -26,13 +26,13 @@ class RequestStage:
         task_type: str,
         keep: list[str],
         package_dir: str,
-        tally: Any,
+        counts: Any,
         lora: LoraRouting | None = None,
         saved_files: list[str] | None = None,
     ):
         self.builder = RequestBuilder(prompt, task_type, keep, package_dir, lora)
-        self.tally = tally
-        self.ids = IdGate(prompt.id_column, saved_files or [], tally) if prompt.id_column else None
+        self.counts = counts
+        self.ids = IdGate(prompt.id_column, saved_files or [], counts) if prompt.id_column else None
         self.calls: dict[str, int] = {}
 
     def __call__(self, batch: Any) -> dict[str, list[Any]]:
@@ -47,9 +47,9 @@ class RequestStage:
         built = [self.builder(row) for row in rows]
         import ray
 
-        ray.get(self.tally.read.remote(key, len(rows) + skipped, skipped))
+        ray.get(self.counts.read.remote(key, len(rows) + skipped, skipped))
         return {
-            STASH: [b[STASH] for b in built],
+            KEPT_INPUT: [b[KEPT_INPUT] for b in built],
             REQUEST: [b[REQUEST] for b in built],
             PRE_ERROR: [b[PRE_ERROR] for b in built],
         }

@@ -20,7 +20,7 @@ from ray.data.block import BlockAccessor
 from airflow_provider_rayllm.contract.names import ERROR_COLUMN
 from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.shaping import Shaper
-from airflow_provider_rayllm.job.stream import STASH, plain
+from airflow_provider_rayllm.job.stream import KEPT_INPUT, to_python
 
 OUTPUTS = "outputs"
 ERRORS = "errors"
@@ -30,12 +30,12 @@ EXTENSIONS = {"parquet": ".parquet", "jsonl": ".jsonl"}
 def encode(rows: list[dict[str, Any]], fmt: str) -> bytes:
     """Rows as one whole file's bytes; every key of any row becomes a column."""
     if fmt == "jsonl":
-        return "".join(json.dumps(plain(r), default=str) + "\n" for r in rows).encode()
+        return "".join(json.dumps(to_python(r), default=str) + "\n" for r in rows).encode()
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    table = pa.table({k: [plain(r.get(k)) for r in rows] for k in keys})
+    table = pa.table({k: [to_python(r.get(k)) for r in rows] for k in keys})
     buffer = pa.BufferOutputStream()
     pq.write_table(table, buffer)
     return buffer.getvalue().to_pybytes()
@@ -54,9 +54,9 @@ def reason_of(error: str) -> str:
 
 
 class ResultSink(Datasink):
-    def __init__(self, generation_uri: str, fmt: str, rows_per_file: int, shaper: Shaper, tally: Any):
+    def __init__(self, generation_uri: str, fmt: str, rows_per_file: int, shaper: Shaper, counts: Any):
         self.generation_uri, self.fmt, self.rows_per_file = generation_uri, fmt, rows_per_file
-        self.shaper, self.tally = shaper, tally
+        self.shaper, self.counts = shaper, counts
         self.results: list[dict[str, Any]] = []
 
     @property
@@ -79,7 +79,7 @@ class ResultSink(Datasink):
                 if shaped.output is not None:
                     outputs.append(shaped.output)
                 else:
-                    errors.append({**plain(dict(row.get(STASH) or {})), ERROR_COLUMN: shaped.error})
+                    errors.append({**to_python(dict(row.get(KEPT_INPUT) or {})), ERROR_COLUMN: shaped.error})
                     reasons[reason_of(shaped.error)] += 1
         name = f"part-{ctx.task_idx:06d}{EXTENSIONS[self.fmt]}"
         result: dict[str, Any] = {
@@ -99,7 +99,7 @@ class ResultSink(Datasink):
 
         import ray
 
-        ray.get(self.tally.wrote.remote(f"write-{ctx.task_idx}", int(bool(outputs)) + int(bool(errors)), time.time()))
+        ray.get(self.counts.wrote.remote(f"write-{ctx.task_idx}", int(bool(outputs)) + int(bool(errors)), time.time()))
         return result
 
     def on_write_complete(self, write_result: Any) -> None:
