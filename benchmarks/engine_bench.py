@@ -294,7 +294,7 @@ def main() -> int:
                 if kind == "ours":
                     result = bench.ours(name)
                 elif kind == "ours_mp":
-                    from airflow_provider_rayllm.job.engines.vllm import ONE_PROCESS_ENV
+                    from airflow_provider_rayllm.job.engines.vllm.settings import ONE_PROCESS_ENV
 
                     result = bench.ours(name, runtime_env={"env_vars": {ONE_PROCESS_ENV: "1"}})
                 elif kind == "ours_stages":

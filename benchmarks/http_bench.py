@@ -44,16 +44,15 @@ def run_ours(base_url: str, data: list[dict], batch_size: int, actors: int, in_f
     import ray
 
     from airflow_provider_rayllm.contract.spec import HttpProcessorSpec
-    from airflow_provider_rayllm.job.engines.base import ERROR
     from airflow_provider_rayllm.job.engines.http import HttpCaller
-    from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, STASH
+    from airflow_provider_rayllm.job.stream import ERROR, KEPT_INPUT, PRE_ERROR, REQUEST
 
     spec = HttpProcessorSpec(
         base_url=base_url, model=MODEL_NAME, concurrency=actors, batch_size=batch_size, max_in_flight=in_flight
     )
     prepared = [
         {
-            STASH: {"id": r["id"]},
+            KEPT_INPUT: {"id": r["id"]},
             PRE_ERROR: "",
             REQUEST: json.dumps(
                 {

@@ -22,19 +22,20 @@ from typing import Any, Iterator
 
 from airflow_provider_rayllm.contract.names import ERROR_COLUMN, OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT
 from airflow_provider_rayllm.contract.spec import JobSpec, PromptSpec
-from airflow_provider_rayllm.job import generations, io, manifest, resume
 from airflow_provider_rayllm.job.engines import open_engine
-from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine
+from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.job.progress import ProgressLog, Tap
-from airflow_provider_rayllm.job.requests import RequestStage
-from airflow_provider_rayllm.job.sinks.files import ERRORS, OUTPUTS, ResultSink, totals
+from airflow_provider_rayllm.job.progress import AnswerCounter, ProgressLog
+from airflow_provider_rayllm.job.publish.publisher import Publisher
+from airflow_provider_rayllm.job.requests.stage import RequestStage
+from airflow_provider_rayllm.job.sinks.files import ResultSink, totals
 from airflow_provider_rayllm.job.sources import open_input
+from airflow_provider_rayllm.job.stream import ERROR, LIGHT
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 
 
-def say(msg: str, *args: Any) -> None:
+def log_info(msg: str, *args: Any) -> None:
     log.info(msg, *args)
     sys.stdout.flush()
 
@@ -63,7 +64,7 @@ def kept_columns(prompt: PromptSpec, columns: list[str]) -> list[str]:
 
 
 def plan(
-    spec: JobSpec, engine: Engine, ds: Any, keep: list[str], package_dir: str, tally: Any, saved: list[str]
+    spec: JobSpec, engine: Engine, ds: Any, keep: list[str], package_dir: str, counts: Any, saved: list[str]
 ) -> Any:
     """The lazy plan up to the sink: rows -> requests -> blocks of one engine batch -> answered rows."""
     stage = dict(
@@ -71,7 +72,7 @@ def plan(
         task_type=spec.task_type,
         keep=keep,
         package_dir=package_dir,
-        tally=tally,
+        counts=counts,
         lora=engine.lora(),
         saved_files=saved,
     )
@@ -92,7 +93,7 @@ def plan(
     # done (a streaming repartition: no block waits for the others).
     ds = ds.repartition(target_num_rows_per_block=engine.block_rows())
     answered = engine.apply(ds)
-    tap = Tap(tally, ERROR, engine.tokens_out())
+    tap = AnswerCounter(counts, ERROR, engine.tokens_out())
     return answered.map_batches(tap, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **LIGHT)
 
 
@@ -176,31 +177,6 @@ def _chain_text(exc: BaseException) -> str:
     return "\n".join(f"{type(current).__name__}: {current}" for current in _chain(exc))
 
 
-def check_counts(counted: dict[str, Any], written: dict[str, Any], adopted_rows: int) -> None:
-    """Every row read is answered, failed or resumed, once; resumed rows are exactly the saved ones."""
-    read, skipped = counted["rows_read"], counted["rows_skipped"]
-    answered = written["rows_out"] + written["rows_errored"]
-    if read != answered + skipped:
-        raise JobError(
-            f"row accounting: {read} rows were read but {written['rows_out']} answered + {written['rows_errored']} "
-            f"error rows + {skipped} resumed = {answered + skipped}; nothing was published"
-        )
-    if skipped != counted["rows_saved"] or adopted_rows != counted["rows_saved"]:
-        raise JobError(
-            f"resume: the earlier attempt saved {counted['rows_saved']} row(s) ({adopted_rows} in its files), but "
-            f"only {skipped} of their ids are in this input; the input changed since, so the saved rows are stale. "
-            "Clear the task to compute every row again; nothing was published"
-        )
-
-
-def check_error_fraction(errors: int, rows: int, limit: float, errors_folder: str) -> None:
-    if rows and errors / rows > limit:
-        raise JobError(
-            f"{errors} of {rows} rows failed ({errors / rows:.1%}), above max_error_fraction={limit}; "
-            f"nothing was published (error rows are in {errors_folder})"
-        )
-
-
 def _configure_ray_data(spec: JobSpec) -> None:
     import ray.data
 
@@ -210,7 +186,7 @@ def _configure_ray_data(spec: JobSpec) -> None:
     if window:
         limits = ctx.execution_options.resource_limits
         ctx.execution_options.resource_limits = limits.copy(object_store_memory=window * 2**20)
-        say("object store window: %d MiB for the rows in flight", window)
+        log_info("object store window: %d MiB for the rows in flight", window)
 
 
 # A crash on purpose at a named step (the job's env var RAYLLM_FAILPOINT=<step>), for the tests of what a
@@ -220,7 +196,7 @@ FAILPOINT_ENV = "RAYLLM_FAILPOINT"
 
 def failpoint(step: str) -> None:
     if os.environ.get(FAILPOINT_ENV) == step:
-        say("failpoint %s: the driver ends here", step)
+        log_info("failpoint %s: the driver ends here", step)
         sys.stdout.flush()
         os._exit(1)
 
@@ -231,11 +207,11 @@ def preflight(spec: JobSpec, package_dir: str) -> tuple[Any, list[str], Engine]:
     own judgement) and the cluster's room for them."""
     source = open_input(spec)
     keep = kept_columns(spec.prompt, source.columns)
-    say("input: %s", source.description)
+    log_info("input: %s", source.description)
     engine = open_engine(spec, package_dir)
     engine.check()
     check_free_cpus(engine, spec)
-    say("%s", engine.describe())
+    log_info("%s", engine.describe())
     return source, keep, engine
 
 
@@ -251,22 +227,17 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     source, keep, engine = preflight(spec, package_dir)
 
     # 2. This attempt's own folder; with an id column, the answers an earlier attempt saved.
-    generation = generations.start(spec)
-    gen_uri = generations.generation_uri(spec.sink.uri, generation.name)
-    outputs_folder, errors_folder = io.join(gen_uri, OUTPUTS), io.join(gen_uri, ERRORS)
-    published = manifest.read(spec.sink.uri)
-    saved = (
-        resume.saved_files(spec.sink.uri, generation, (published or {}).get("generation"))
-        if spec.prompt.id_column
-        else []
-    )
-    say("writing generation %s (%d saved file(s) of earlier attempts to resume from)", gen_uri, len(saved))
+    publisher = Publisher.start(spec)
+    saved = publisher.find_saved()
+    log_info("writing generation %s (%d saved file(s) of earlier attempts to resume from)", publisher.uri, len(saved))
 
     # 3. The stream, once.
-    with ProgressLog(print_line, say, engine.actor_name()) as progress:
-        sink = ResultSink(gen_uri, spec.sink.format, rows_per_file(spec, engine), engine.shaper(), progress.tally)
+    with ProgressLog(print_line, log_info, engine.actor_name()) as progress:
+        sink = ResultSink(
+            publisher.uri, spec.sink.format, rows_per_file(spec, engine), engine.shaper(), progress.counts
+        )
         try:
-            plan(spec, engine, source.ds, keep, package_dir, progress.tally, saved).write_datasink(
+            plan(spec, engine, source.ds, keep, package_dir, progress.counts, saved).write_datasink(
                 sink, ray_remote_args=WRITE
             )
         except Exception as exc:
@@ -278,54 +249,37 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         timeline = progress.timeline(counted, started)
     written = totals(sink.results)
     for example in written["error_examples"]:
-        say("error row: %s", example)
+        log_info("error row: %s", example)
 
     # 4. Counts agree, the error gate; nothing is published before both pass.
-    adopted = resume.adopt(saved, gen_uri) if saved else []
-    adopted_rows = sum(f["rows"] for f in adopted)
-    check_counts(counted, written, adopted_rows)
-    rows_in = counted["rows_read"]
-    if rows_in == 0:
-        raise JobError("source: no rows reached the job")
-    written["output_files"] = sorted(written["output_files"] + adopted, key=lambda f: f["uri"])
-    written["rows_out"] += adopted_rows
-    check_error_fraction(written["rows_errored"], rows_in, spec.limits.max_error_fraction, errors_folder)
+    publisher.adopt_saved()
+    rows_in = publisher.check(counted, written)
 
     # 5. Publish: the table (all or nothing), then the manifest, then this task's older generations go.
-    table_rows = 0
-    if spec.sink.table is not None:
-        from airflow_provider_rayllm.job.sinks import table as table_sink
-
+    table_rows = publisher.commit_table(written)
+    if table_rows is not None and spec.sink.table is not None:
         t = spec.sink.table
-        table_rows = table_sink.write(
-            [f["uri"] for f in written["output_files"]], t.dialect, t.table, t.run_key, generation.name
-        )
-        say("output table %s: %d rows for run key %s", t.table, table_rows, t.run_key)
+        log_info("output table %s: %d rows for run key %s", t.table, table_rows, t.run_key)
         failpoint("after_table_commit")
-    body = manifest.build(
-        spec=spec,
+    body = publisher.build_manifest(
         submission_id=submission_id,
-        generation=generation.name,
-        outputs_folder=outputs_folder,
-        errors_folder=errors_folder,
         written=written,
         rows_in=rows_in,
-        rows_resumed=adopted_rows,
         started_at=started_at,
         wall_time_s=time.time() - started,
         timeline=timeline,
         details=engine.details(written),
         versions={"ray": ray.__version__, **engine.versions()},
-        table_rows=table_rows,
+        table_rows=table_rows or 0,
     )
-    manifest.publish(spec.sink.uri, body)
-    removed = generations.remove_older(spec.sink.uri, generation)
-    say(
+    publisher.write_manifest(body)
+    removed = publisher.remove_older()
+    log_info(
         "published %s: %d rows in, %d out (%d resumed), %d error rows, tokens in/out %d/%d, %.1f s; older generations removed: %d",
         spec.sink.uri,
         rows_in,
         written["rows_out"],
-        adopted_rows,
+        publisher.adopted_rows,
         written["rows_errored"],
         written["input_tokens"],
         written["output_tokens"],

@@ -12,8 +12,9 @@ import time
 
 from airflow_provider_rayllm.contract.names import ERROR_LOG_PREFIX
 from airflow_provider_rayllm.contract.spec import SpecError, UploadJobSpec, parse_spec
-from airflow_provider_rayllm.job import manifest, secrets
+from airflow_provider_rayllm.job import secrets
 from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.publish import manifest
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 

@@ -1,13 +1,13 @@
 """Row bookkeeping while the stream runs, and the progress line in the job log.
 
-The stages report into one small actor, the tally: the request step counts the rows it reads (and the
+The stages report into one small actor, ``StreamCounts``: the request step counts the rows it reads (and the
 rows it skips because an earlier attempt answered them), the sink counts the rows it wrote, the error
 rows and the tokens. Each report carries a key that is the same when Ray retries the same task, so a
-retry is not counted twice. A thread in the driver reads the tally every few seconds and prints
+retry is not counted twice. A thread in the driver reads the actor every few seconds and prints
 ``RAYLLM_PROGRESS {json}`` when it changed; the operator turns those lines into readable progress lines
 in the task log (the trigger does the same while the task is deferred).
 
-The tally is for progress and for the job's own cross-check of its counts. The manifest's counts come
+The actor's counts are for progress and for the job's own cross-check of its counts. The manifest's counts come
 from what the sink reports for the files it wrote (Ray Data hands every write task's result to the
 driver once, when the write completes).
 """
@@ -25,7 +25,7 @@ INTERVAL_S = 10.0
 HEARTBEAT_S = 60.0
 
 
-class Tally:
+class StreamCounts:
     """Counts reported by the stages (a Ray actor with no CPU of its own); a repeated key is counted once."""
 
     def __init__(self) -> None:
@@ -77,7 +77,7 @@ class Tally:
 
 def call_key(calls: dict[str, int]) -> str:
     """Task id and the batch's place in the task: the same key for the same batch of a retried task, so
-    the tally counts it once."""
+    ``StreamCounts`` counts it once."""
     import ray
 
     task = ray.get_runtime_context().get_task_id() or "driver"
@@ -85,12 +85,12 @@ def call_key(calls: dict[str, int]) -> str:
     return f"{task}:{calls[task]}"
 
 
-class Tap:
-    """A stage right after the engine: counts each answered batch (rows, error rows, tokens out) into the
-    tally and passes the batch on unchanged."""
+class AnswerCounter:
+    """A stage right after the engine: counts each answered batch (rows, error rows, tokens out) into
+    ``StreamCounts`` and passes the batch on unchanged."""
 
-    def __init__(self, tally: Any, error_column: str, tokens_out: Callable[[Any], int]):
-        self.tally, self.error_column, self.tokens_out = tally, error_column, tokens_out
+    def __init__(self, counts: Any, error_column: str, tokens_out: Callable[[Any], int]):
+        self.counts, self.error_column, self.tokens_out = counts, error_column, tokens_out
         self.calls: dict[str, int] = {}
 
     def __call__(self, batch: Any) -> Any:
@@ -102,12 +102,12 @@ class Tap:
             column = pc.fill_null(batch.column(self.error_column).cast("string"), "")
             errored = int(pc.sum(pc.not_equal(column, "")).as_py() or 0)
         tokens = self.tokens_out(batch)
-        ray.get(self.tally.answered.remote(call_key(self.calls), batch.num_rows, errored, tokens, time.time()))
+        ray.get(self.counts.answered.remote(call_key(self.calls), batch.num_rows, errored, tokens, time.time()))
         return batch
 
 
 def column_sum(column: str) -> Callable[[Any], int]:
-    """tokens_out for a Tap: the sum of a numeric column of the batch (missing or null counts 0)."""
+    """tokens_out for an AnswerCounter: the sum of a numeric column of the batch (missing or null counts 0)."""
     return _ColumnSum(column)
 
 
@@ -124,16 +124,16 @@ class _ColumnSum:
 
 
 class ProgressLog:
-    """Driver side: the tally actor, and a thread that prints a progress line when the counts change."""
+    """Driver side: the ``StreamCounts`` actor, and a thread that prints a progress line when the counts change."""
 
     def __init__(
         self,
-        say: Callable[[str], None],
+        print_line: Callable[[str], None],
         note: Callable[[str], None],
         engine_actor: str | None = None,
         interval_s: float = INTERVAL_S,
     ):
-        self.say, self.note, self.interval_s = say, note, interval_s
+        self.print_line, self.note, self.interval_s = print_line, note, interval_s
         self.engine_actor = engine_actor
         self.ready_at: float | None = None
         self._stop = threading.Event()
@@ -144,7 +144,7 @@ class ProgressLog:
     def __enter__(self) -> ProgressLog:
         import ray
 
-        self.tally = ray.remote(num_cpus=0)(Tally).remote()
+        self.counts = ray.remote(num_cpus=0)(StreamCounts).remote()
         self.started = time.time()
         self._thread = threading.Thread(target=self._loop, name="rayllm-progress", daemon=True)
         self._thread.start()
@@ -153,7 +153,7 @@ class ProgressLog:
     def totals(self) -> dict[str, Any]:
         import ray
 
-        return ray.get(self.tally.totals.remote(), timeout=60)
+        return ray.get(self.counts.totals.remote(), timeout=60)
 
     def _report(self, final: bool = False) -> None:
         totals = self.totals()
@@ -172,7 +172,7 @@ class ProgressLog:
         self._watch_engine(now)
         since = self.ready_at or first_answer
         rate = totals["tokens_out"] / (now - since) if since is not None and now - since >= 1.0 else 0.0
-        self.say(
+        self.print_line(
             Progress(
                 rows_done=totals["rows_answered"] + totals["rows_skipped"],
                 rows_total=totals["rows_read"],
@@ -233,4 +233,4 @@ class ProgressLog:
 
         self._stop.set()
         self._thread.join(timeout=5)
-        ray.kill(self.tally)
+        ray.kill(self.counts)

@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 
 from airflow_provider_rayllm import __version__
 from airflow_provider_rayllm.contract.spec import UploadJobSpec
-from airflow_provider_rayllm.job import io
+from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.errors import JobError
 
 log = logging.getLogger("airflow_provider_rayllm.job")
@@ -126,11 +126,11 @@ def run(spec: UploadJobSpec, submission_id: str) -> dict[str, Any]:
     files = source_files(folder, spec)
     total = sum(f["bytes"] for f in files)
     log.info("source %s: %d files, %.1f MB", folder, len(files), total / 1e6)
-    fs, root = io.filesystem_for(spec.bucket_uri)
+    fs, root = filesystems.filesystem_for(spec.bucket_uri)
     manifest_path = f"{root}/{MODEL_MANIFEST}"
     content = [{k: f[k] for k in ("path", "bytes", "sha256")} for f in files]
     try:
-        existing = io.read_json(f"{spec.bucket_uri}/{MODEL_MANIFEST}")
+        existing = filesystems.read_json(f"{spec.bucket_uri}/{MODEL_MANIFEST}")
     except Exception as exc:
         raise JobError(f"bucket_uri {spec.bucket_uri!r} cannot be read: {type(exc).__name__}: {exc}") from None
 
@@ -169,7 +169,9 @@ def run(spec: UploadJobSpec, submission_id: str) -> dict[str, Any]:
     if problems:
         raise JobError(f"upload to {spec.bucket_uri!r} is incomplete: " + "; ".join(problems[:20]))
     body = _manifest(spec, submission_id, content, total, skipped=False, uploaded=uploaded, started=started)
-    io.write_text_atomic(f"{spec.bucket_uri}/{MODEL_MANIFEST}", json.dumps({**body, "files": content}, indent=2))
+    filesystems.write_text_atomic(
+        f"{spec.bucket_uri}/{MODEL_MANIFEST}", json.dumps({**body, "files": content}, indent=2)
+    )
     return body
 
 

@@ -77,7 +77,8 @@ def _submit(dashboard: str, body: dict, package: Path) -> tuple[str, str]:
 def test_the_gpu_profile_picks_itself_sizes_the_engine_and_frees_the_gpu(tmp_path):
     dashboard, model = _settings()
     from airflow_provider_rayllm.contract.storage import read_manifest
-    from airflow_provider_rayllm.job.engines.vllm import BIG_GPU_ENGINE_LIMITS, GPU_ENGINE_DEFAULTS, GpuCard
+    from airflow_provider_rayllm.job.engines.vllm.hardware import GpuCard
+    from airflow_provider_rayllm.job.engines.vllm.settings import BIG_GPU_ENGINE_LIMITS, GPU_ENGINE_DEFAULTS
 
     source = tmp_path / "rows.jsonl"
     with source.open("w") as f:

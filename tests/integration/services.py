@@ -110,11 +110,11 @@ def vllm_openai_server(model_dir: Path, name: str | list[str], log_dir: Path) ->
         "--gpu-memory-utilization",
         "0.15",
     ]
-    from airflow_provider_rayllm.job.engines.vllm import cpu_has_native_half
+    from airflow_provider_rayllm.job.engines.vllm.hardware import cpu_has_native_half
 
     if not cpu_has_native_half():
         cmd += ["--dtype", "float32"]  # half precision would be emulated, many times slower
-    from airflow_provider_rayllm.job.engines.vllm import ONE_PROCESS_ENV
+    from airflow_provider_rayllm.job.engines.vllm.settings import ONE_PROCESS_ENV
 
     # /v1/models answers only once the engine is up (about 40 s on 2 cores). Its one CPU worker runs in the
     # engine core process, as in the jobs' engines.

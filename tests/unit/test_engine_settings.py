@@ -179,7 +179,7 @@ def test_score_is_refused_before_an_engine_starts_when_vllm_has_no_score_task():
     import pytest
     import vllm.tasks
 
-    from airflow_provider_rayllm.job.engines.vllm import check_task_type
+    from airflow_provider_rayllm.job.engines.vllm.checks import check_task_type
     from airflow_provider_rayllm.job.errors import JobError
 
     check_task_type("classify")  # the replacement passes
@@ -218,7 +218,7 @@ def test_a_refusal_the_cluster_answers_comes_before_vllm_is_imported(tmp_path):
         import sys
         import ray
         ray.cluster_resources = lambda: {{"CPU": 2.0, "accelerator_type:L4": 1.0}}
-        from airflow_provider_rayllm.job.engines.vllm import VLLMEngine
+        from airflow_provider_rayllm.job.engines.vllm.engine import VLLMEngine
         from airflow_provider_rayllm.job.errors import JobError
         from airflow_provider_rayllm.contract.spec import parse_spec
         spec = parse_spec({{

@@ -7,9 +7,8 @@ import numpy as np
 from aiohttp import web
 
 from airflow_provider_rayllm.contract.spec import HttpProcessorSpec
-from airflow_provider_rayllm.job.engines.base import ERROR
 from airflow_provider_rayllm.job.engines.http import RESPONSE, TOKENS_OUT, HttpCaller
-from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, STASH
+from airflow_provider_rayllm.job.stream import ERROR, KEPT_INPUT, PRE_ERROR, REQUEST
 
 
 def test_batch_from_a_plain_thread():
@@ -38,7 +37,7 @@ def test_batch_from_a_plain_thread():
         spec = HttpProcessorSpec(base_url=f"http://127.0.0.1:{port}/v1", model="m")
         caller = HttpCaller(spec.model_dump_json())
         batch = {
-            STASH: np.array([{"id": 1}, {"id": 2}, {"id": 3}], dtype=object),
+            KEPT_INPUT: np.array([{"id": 1}, {"id": 2}, {"id": 3}], dtype=object),
             REQUEST: np.array(
                 [
                     json.dumps({"messages": [{"role": "user", "content": t}], "sampling_params": {}})

@@ -3,8 +3,9 @@
 import pytest
 
 from airflow_provider_rayllm.contract.spec import FileSource
-from airflow_provider_rayllm.job import generations, io
+from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.publish import generations
 from airflow_provider_rayllm.job.sources import files as source_files
 
 
@@ -43,11 +44,11 @@ def test_format_from_files_found(tmp_path):
 
 def test_manifest_write_is_atomic_and_readable(tmp_path):
     target = str(tmp_path / "out" / "manifest.json")
-    io.write_text_atomic(target, '{"a": 1}')
-    io.write_text_atomic(target, '{"a": 2}')
-    assert io.read_json(target) == {"a": 2}
+    filesystems.write_text_atomic(target, '{"a": 1}')
+    filesystems.write_text_atomic(target, '{"a": 2}')
+    assert filesystems.read_json(target) == {"a": 2}
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["manifest.json"], "no temp file is left behind"
-    assert io.read_json(str(tmp_path / "missing.json")) is None
+    assert filesystems.read_json(str(tmp_path / "missing.json")) is None
 
 
 def test_columns_and_emptiness_come_from_heads_and_footers(tmp_path):
@@ -100,7 +101,7 @@ def test_each_attempt_gets_a_generation_of_its_own_and_only_this_task_instances_
     newer = generations.start(spec)
     touch(tmp_path / "run" / "_generations" / newer.name / "outputs" / "part.parquet")
     assert generations.remove_older(out, second) == [first.name]
-    left = set(io.list_subdirs(str(tmp_path / "run" / "_generations")))
+    left = set(filesystems.list_subdirs(str(tmp_path / "run" / "_generations")))
     assert left == {second.name, other_ti.name, newer.name, "not-a-generation"}, (
         "another task instance's and a newer attempt's stay"
     )

@@ -1,4 +1,4 @@
-"""Progress: the stream's stages count into the tally (a retried batch once), the driver prints lines the
+"""Progress: the stream's stages count into StreamCounts (a retried batch once), the driver prints lines the
 operator reads back."""
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ def test_the_first_and_last_lines_of_a_short_job_say_something_true():
 
 
 def test_a_key_reported_twice_counts_once():
-    tally = progress.Tally()
-    tally.read("t1:1", 10, 2)
-    tally.read("t1:1", 10, 2)  # the same batch of a retried task
-    tally.read("t2:1", 5, 0)
-    tally.answered("t3:1", 8, 1, 40, at=100.0)
-    tally.answered("t3:1", 8, 1, 40, at=101.0)
-    tally.wrote("write-0", 2, at=102.0)
-    totals = tally.totals()
+    counts = progress.StreamCounts()
+    counts.read("t1:1", 10, 2)
+    counts.read("t1:1", 10, 2)  # the same batch of a retried task
+    counts.read("t2:1", 5, 0)
+    counts.answered("t3:1", 8, 1, 40, at=100.0)
+    counts.answered("t3:1", 8, 1, 40, at=101.0)
+    counts.wrote("write-0", 2, at=102.0)
+    totals = counts.totals()
     assert (totals["rows_read"], totals["rows_skipped"], totals["rows_answered"], totals["rows_errored"]) == (
         15,
         2,
@@ -54,13 +54,13 @@ def test_a_key_reported_twice_counts_once():
 
 def test_the_first_file_keeps_the_rows_answered_when_it_came():
     """The first output file's report keeps the count of that moment: later answers do not move it."""
-    tally = progress.Tally()
-    tally.answered("a1", 8, 0, 40, at=100.0)
-    assert tally.totals()["answered_at_first_write"] is None
-    tally.wrote("write-0", 1, at=101.0)
-    tally.answered("a2", 8, 0, 40, at=102.0)
-    tally.wrote("write-1", 1, at=103.0)
-    totals = tally.totals()
+    counts = progress.StreamCounts()
+    counts.answered("a1", 8, 0, 40, at=100.0)
+    assert counts.totals()["answered_at_first_write"] is None
+    counts.wrote("write-0", 1, at=101.0)
+    counts.answered("a2", 8, 0, 40, at=102.0)
+    counts.wrote("write-1", 1, at=103.0)
+    totals = counts.totals()
     assert totals["rows_answered"] == 16 and totals["answered_at_first_write"] == 8
     assert totals["first_write_at"] == 101.0
 
@@ -87,7 +87,7 @@ def test_the_tap_counts_answered_rows_errors_and_tokens_as_they_pass(local_ray):
         }
     )
     with progress.ProgressLog(lines.append, notes.append, interval_s=0.05) as watch:
-        tap = progress.Tap(watch.tally, "__inference_error__", progress.column_sum("num_generated_tokens"))
+        tap = progress.AnswerCounter(watch.counts, "__inference_error__", progress.column_sum("num_generated_tokens"))
         out = (
             ray.data.from_arrow(table)
             .repartition(target_num_rows_per_block=8)

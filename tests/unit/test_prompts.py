@@ -5,7 +5,8 @@ import json
 import pytest
 
 from airflow_provider_rayllm.contract.spec import PromptSpec
-from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, STASH, RequestBuilder
+from airflow_provider_rayllm.job.requests.prompts import RequestBuilder
+from airflow_provider_rayllm.job.stream import KEPT_INPUT, PRE_ERROR, REQUEST
 
 
 def build(prompt: dict, task_type="generate", keep=("id", "q")):
@@ -19,7 +20,7 @@ def test_prompt_column_with_system_prompt():
     request = json.loads(out[REQUEST])
     assert request["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
     assert request["sampling_params"] == {"max_tokens": 5}
-    assert out[STASH] == {"id": 1, "q": "Why?"}
+    assert out[KEPT_INPUT] == {"id": 1, "q": "Why?"}
     assert out[PRE_ERROR] == ""
 
 
@@ -31,7 +32,7 @@ def test_template_uses_columns():
 def test_empty_column_is_an_error_row_not_an_exception():
     out = build({"prompt_column": "q"})({"id": 2, "q": None})
     assert out[PRE_ERROR].startswith("prompt: ValueError: column 'q' is empty")
-    assert out[STASH]["id"] == 2
+    assert out[KEPT_INPUT]["id"] == 2
 
 
 def test_nan_from_a_reader_counts_as_empty():
@@ -69,7 +70,7 @@ def test_preprocess_returning_non_dict_is_an_error_row():
 
 
 def test_structured_output_names_are_normalized():
-    from airflow_provider_rayllm.job.requests import normalize_sampling_params
+    from airflow_provider_rayllm.job.requests.sampling import normalize_sampling_params
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert normalize_sampling_params({"max_tokens": 5, "guided_json": schema}) == {
@@ -83,7 +84,7 @@ def test_structured_output_names_are_normalized():
 
 
 def test_bad_sampling_params_are_refused_before_the_engine():
-    from airflow_provider_rayllm.job.engines.vllm import check_sampling_params
+    from airflow_provider_rayllm.job.engines.vllm.checks import check_sampling_params
     from airflow_provider_rayllm.job.errors import JobError
 
     check_sampling_params({"max_tokens": 4, "structured_outputs": {"regex": "[0-9]+"}})
@@ -94,7 +95,7 @@ def test_bad_sampling_params_are_refused_before_the_engine():
 
 
 def test_lora_routing_by_row():
-    from airflow_provider_rayllm.job.requests import LoraRouting
+    from airflow_provider_rayllm.job.requests.lora import LoraRouting
 
     local = LoraRouting("/models/base", "/adapters/", ["pirate", "formal"])
     assert local.model_for(None) == "/models/base"
@@ -109,7 +110,7 @@ def test_lora_routing_by_row():
 
 
 def test_unknown_adapter_is_an_error_row():
-    from airflow_provider_rayllm.job.requests import LoraRouting
+    from airflow_provider_rayllm.job.requests.lora import LoraRouting
 
     builder = RequestBuilder(
         PromptSpec(prompt_column="q", lora_column="adapter"),
@@ -137,7 +138,7 @@ def _png(color=(200, 10, 10)) -> bytes:
 def test_image_cells_become_data_urls(tmp_path):
     import base64
 
-    from airflow_provider_rayllm.job.requests import image_url
+    from airflow_provider_rayllm.job.requests.images import image_url
 
     data = _png()
     expected = "data:image/png;base64," + base64.b64encode(data).decode()
@@ -155,7 +156,7 @@ def test_an_image_url_is_fetched_with_a_cap_and_never_from_the_clusters_own_netw
     import http.server
     import threading
 
-    from airflow_provider_rayllm.job.requests import image_url
+    from airflow_provider_rayllm.job.requests.images import image_url
 
     data = _png()
 
@@ -187,7 +188,7 @@ def test_an_image_url_is_fetched_with_a_cap_and_never_from_the_clusters_own_netw
 
 
 def test_an_endless_file_is_an_error_not_an_out_of_memory():
-    from airflow_provider_rayllm.job.requests import image_url
+    from airflow_provider_rayllm.job.requests.images import image_url
 
     with pytest.raises(ValueError, match="larger than image_max_bytes=65536"):
         image_url("/dev/zero", max_bytes=65536)
@@ -203,7 +204,7 @@ def test_an_endless_file_is_an_error_not_an_out_of_memory():
     ],
 )
 def test_a_bad_image_cell_is_refused_with_its_reason(cell, message):
-    from airflow_provider_rayllm.job.requests import image_url
+    from airflow_provider_rayllm.job.requests.images import image_url
 
     with pytest.raises(ValueError, match=message):
         image_url(cell)
@@ -213,7 +214,8 @@ def test_the_image_goes_before_the_text_in_the_user_message_and_a_bad_one_is_an_
     import json as _json
 
     from airflow_provider_rayllm.contract.spec import PromptSpec
-    from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, RequestBuilder
+    from airflow_provider_rayllm.job.requests.prompts import RequestBuilder
+    from airflow_provider_rayllm.job.stream import PRE_ERROR, REQUEST
 
     prompt = PromptSpec(prompt_column="q", image_column="img", system_prompt="Be brief.")
     builder = RequestBuilder(prompt, "generate", ["id"], str(tmp_path))
@@ -246,7 +248,7 @@ def test_image_column_is_for_generation_with_a_prompt_column_or_template():
 def test_the_guides_pil_image_part_becomes_an_image_url_part_the_engine_takes():
     import base64
 
-    from airflow_provider_rayllm.job.engines.vllm import unpack_request
+    from airflow_provider_rayllm.job.engines.vllm.processor import unpack_request
 
     out = build({"preprocess": {"import_path": "tests.unit.helpers:guide_image_request"}})(
         {"id": 1, "q": "What color?", "image": {"bytes": _png()}}

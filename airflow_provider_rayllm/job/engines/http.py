@@ -12,11 +12,12 @@ import numpy as np
 from airflow_provider_rayllm.contract.names import HTTP_API_KEY_ENV, HTTP_USERINFO_ENV
 from airflow_provider_rayllm.contract.secrets import redact
 from airflow_provider_rayllm.contract.spec import HttpProcessorSpec, JobSpec
-from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine, Shaper, count
+from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.engines.http_client import EndpointClient
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.progress import column_sum
-from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST, STASH
+from airflow_provider_rayllm.job.shaping import Shaper
+from airflow_provider_rayllm.job.stream import ERROR, KEPT_INPUT, LIGHT, PRE_ERROR, REQUEST, count
 
 API_KEY_ENV = HTTP_API_KEY_ENV
 
@@ -115,7 +116,7 @@ class HttpCaller:
         # Ray Data may call from another thread than the constructor's; the loop is ours either way.
         answers = self.loop.run_until_complete(self._batch(batch[REQUEST], batch[PRE_ERROR]))
         return {
-            STASH: batch[STASH],
+            KEPT_INPUT: batch[KEPT_INPUT],
             RESPONSE: [a[0] for a in answers],
             "http_status": [a[1] for a in answers],
             "attempts": [a[2] for a in answers],
@@ -149,9 +150,9 @@ class HttpShaper(Shaper):
             extra["logprobs"] = choices[0]["logprobs"]
         return value, count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")), extra
 
-    def view(self, row: dict[str, Any], stash: dict[str, Any], value: Any) -> dict[str, Any]:
+    def view(self, row: dict[str, Any], kept: dict[str, Any], value: Any) -> dict[str, Any]:
         return {
-            **stash,
+            **kept,
             "http_response": json.loads(row[RESPONSE]),
             "http_status": count(row.get("http_status")),
             self.output_column: value,

@@ -11,10 +11,11 @@ import json
 from typing import Any, Callable
 
 from airflow_provider_rayllm.contract.spec import JobSpec, ServeProcessorSpec
-from airflow_provider_rayllm.job.engines.base import ERROR, LIGHT, Engine, Shaper, count, plain
+from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.engines.http import extract, openai_body
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.job.requests import PRE_ERROR, REQUEST
+from airflow_provider_rayllm.job.shaping import Shaper
+from airflow_provider_rayllm.job.stream import ERROR, LIGHT, PRE_ERROR, REQUEST, count, to_python
 
 # Our endpoint names -> (the Serve LLM server's method, its request class, the HTTP pipeline's endpoint)
 METHODS = {
@@ -75,13 +76,13 @@ class ServeShaper(Shaper):
         endpoint = self.endpoint
         if row.get("object") == "text_completion" or (row.get("choices") and "text" in (row["choices"][0] or {})):
             endpoint = "completions"  # a preprocess may call another method than the task's own
-        value = plain(extract(row, endpoint))
+        value = to_python(extract(row, endpoint))
         usage = row.get("usage") or {}
         return value, count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")), {}
 
-    def view(self, row: dict[str, Any], stash: dict[str, Any], value: Any) -> dict[str, Any]:
-        view = {k: plain(v) for k, v in row.items() if not k.startswith("__")}
-        view.update(stash)
+    def view(self, row: dict[str, Any], kept: dict[str, Any], value: Any) -> dict[str, Any]:
+        view = {k: to_python(v) for k, v in row.items() if not k.startswith("__")}
+        view.update(kept)
         return view
 
 

@@ -18,9 +18,9 @@ from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
 from airflow_provider_rayllm.contract.names import ERROR_COLUMN
-from airflow_provider_rayllm.job import io
-from airflow_provider_rayllm.job.engines.base import Shaper, plain
-from airflow_provider_rayllm.job.requests import STASH
+from airflow_provider_rayllm.job import filesystems
+from airflow_provider_rayllm.job.shaping import Shaper
+from airflow_provider_rayllm.job.stream import KEPT_INPUT, to_python
 
 OUTPUTS = "outputs"
 ERRORS = "errors"
@@ -30,12 +30,12 @@ EXTENSIONS = {"parquet": ".parquet", "jsonl": ".jsonl"}
 def encode(rows: list[dict[str, Any]], fmt: str) -> bytes:
     """Rows as one whole file's bytes; every key of any row becomes a column."""
     if fmt == "jsonl":
-        return "".join(json.dumps(plain(r), default=str) + "\n" for r in rows).encode()
+        return "".join(json.dumps(to_python(r), default=str) + "\n" for r in rows).encode()
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    table = pa.table({k: [plain(r.get(k)) for r in rows] for k in keys})
+    table = pa.table({k: [to_python(r.get(k)) for r in rows] for k in keys})
     buffer = pa.BufferOutputStream()
     pq.write_table(table, buffer)
     return buffer.getvalue().to_pybytes()
@@ -43,7 +43,7 @@ def encode(rows: list[dict[str, Any]], fmt: str) -> bytes:
 
 def write_file(uri: str, rows: list[dict[str, Any]], fmt: str) -> dict[str, Any]:
     data = encode(rows, fmt)
-    io.write_bytes_atomic(uri, data)
+    filesystems.write_bytes_atomic(uri, data)
     return {"uri": uri, "rows": len(rows), "bytes": len(data)}
 
 
@@ -54,9 +54,9 @@ def reason_of(error: str) -> str:
 
 
 class ResultSink(Datasink):
-    def __init__(self, generation_uri: str, fmt: str, rows_per_file: int, shaper: Shaper, tally: Any):
+    def __init__(self, generation_uri: str, fmt: str, rows_per_file: int, shaper: Shaper, counts: Any):
         self.generation_uri, self.fmt, self.rows_per_file = generation_uri, fmt, rows_per_file
-        self.shaper, self.tally = shaper, tally
+        self.shaper, self.counts = shaper, counts
         self.results: list[dict[str, Any]] = []
 
     @property
@@ -79,15 +79,17 @@ class ResultSink(Datasink):
                 if shaped.output is not None:
                     outputs.append(shaped.output)
                 else:
-                    errors.append({**plain(dict(row.get(STASH) or {})), ERROR_COLUMN: shaped.error})
+                    errors.append({**to_python(dict(row.get(KEPT_INPUT) or {})), ERROR_COLUMN: shaped.error})
                     reasons[reason_of(shaped.error)] += 1
         name = f"part-{ctx.task_idx:06d}{EXTENSIONS[self.fmt]}"
         result: dict[str, Any] = {
             "task": ctx.task_idx,
-            "output_file": write_file(io.join(self.generation_uri, OUTPUTS, name), outputs, self.fmt)
+            "output_file": write_file(filesystems.join(self.generation_uri, OUTPUTS, name), outputs, self.fmt)
             if outputs
             else None,
-            "error_file": write_file(io.join(self.generation_uri, ERRORS, name), errors, self.fmt) if errors else None,
+            "error_file": write_file(filesystems.join(self.generation_uri, ERRORS, name), errors, self.fmt)
+            if errors
+            else None,
             "tokens_in": tokens_in,
             "tokens_out": tokens_out,
             "error_reasons": dict(reasons),
@@ -97,7 +99,7 @@ class ResultSink(Datasink):
 
         import ray
 
-        ray.get(self.tally.wrote.remote(f"write-{ctx.task_idx}", int(bool(outputs)) + int(bool(errors)), time.time()))
+        ray.get(self.counts.wrote.remote(f"write-{ctx.task_idx}", int(bool(outputs)) + int(bool(errors)), time.time()))
         return result
 
     def on_write_complete(self, write_result: Any) -> None:

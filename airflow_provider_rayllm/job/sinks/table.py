@@ -17,22 +17,14 @@ from datetime import date, datetime
 from typing import Any
 
 from airflow_provider_rayllm.contract.names import SINK_SQL_URI_ENV
-from airflow_provider_rayllm.job import io
+from airflow_provider_rayllm.job import filesystems
+from airflow_provider_rayllm.job.databases import connect, quote
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.job.sources.sql import connect
 
 RUN_KEY_COLUMN = "rayllm_run_key"
 GENERATION_COLUMN = "rayllm_generation"
 _PLACEHOLDER = {"postgresql": "%s", "mysql": "%s", "sqlite": "?"}
 _TABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
-
-
-def quote(name: str, dialect: str) -> str:
-    """An identifier quoted for the dialect (the quote character doubled inside)."""
-    if "\x00" in name:
-        raise JobError(f"output_table: column name {name!r} holds a NUL character")
-    mark = "`" if dialect == "mysql" else '"'
-    return mark + name.replace(mark, mark * 2) + mark
 
 
 def quote_table(table: str, dialect: str) -> str:
@@ -71,7 +63,7 @@ def _read(uri: str) -> Any:
     import pyarrow.json as pajson
     import pyarrow.parquet as pq
 
-    fs, path = io.filesystem_for(uri)
+    fs, path = filesystems.filesystem_for(uri)
     with fs.open_input_file(path) as handle:
         return pq.read_table(handle) if uri.endswith(".parquet") else pajson.read_json(handle)
 
@@ -83,7 +75,7 @@ def _schema(files: list[str]) -> Any:
     schemas = []
     for uri in files:
         if uri.endswith(".parquet"):
-            fs, path = io.filesystem_for(uri)
+            fs, path = filesystems.filesystem_for(uri)
             with fs.open_input_file(path) as handle:
                 schemas.append(pq.ParquetFile(handle).schema_arrow)
         else:

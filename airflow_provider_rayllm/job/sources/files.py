@@ -13,7 +13,7 @@ import pyarrow.fs as pafs
 
 from airflow_provider_rayllm.contract.spec import FileSource, format_from_uri, uri_scheme
 from airflow_provider_rayllm.job.errors import JobError
-from airflow_provider_rayllm.job.io import filesystem_for
+from airflow_provider_rayllm.job.filesystems import filesystem_for
 
 # Enough of a JSON or CSV file to learn its columns (pyarrow infers from its first block too).
 PROBE_BYTES = 1 << 20
@@ -178,7 +178,7 @@ def read(source: FileSource, files: list[str], fmt: str) -> Any:
     """A lazy Ray dataset over the given files."""
     import ray.data
 
-    from airflow_provider_rayllm.job.engines.base import LIGHT
+    from airflow_provider_rayllm.job.stream import LIGHT
 
     # Reading is light work beside the engine: a whole CPU per read task would wait behind the engine's
     # actors on a small cluster.

@@ -7,63 +7,16 @@ variable below and is read inside the connection factory, so it is never pickled
 from __future__ import annotations
 
 import functools
-import os
-import urllib.parse
 from typing import Any
 
 from airflow_provider_rayllm.contract.names import SQL_URI_ENV
 from airflow_provider_rayllm.contract.spec import SqlSource
+from airflow_provider_rayllm.job.databases import SQLITE_SHARD_HASH, connect, quote
 from airflow_provider_rayllm.job.errors import JobError
 
-
-def connect(dialect: str, env_name: str = SQL_URI_ENV) -> Any:
-    uri = os.environ.get(env_name)
-    if not uri:
-        raise JobError(f"no database URI reached the job (environment variable {env_name} is unset)")
-    if dialect == "postgresql":
-        import psycopg2
-
-        return psycopg2.connect(uri)
-    if dialect == "sqlite":
-        import sqlite3
-
-        path = uri.removeprefix("sqlite:")
-        if not os.path.exists(path):
-            raise JobError(f"the SQLite database {path!r} does not exist on the cluster")
-        conn = sqlite3.connect(path)
-        # SQLite has no hash function (nor CONCAT before 3.44) for Ray's sharded reads: ours.
-        conn.create_function(SQLITE_SHARD_HASH, 1, _stable_hash, deterministic=True)
-        if sqlite3.sqlite_version_info < (3, 44):
-            conn.create_function(
-                "CONCAT", -1, lambda *parts: "".join("" if p is None else str(p) for p in parts), deterministic=True
-            )
-        return conn
-    if dialect == "mysql":
-        import pymysql
-
-        parts = urllib.parse.urlsplit(uri)
-        return pymysql.connect(
-            host=parts.hostname or "127.0.0.1",
-            port=parts.port or 3306,
-            user=urllib.parse.unquote(parts.username or ""),
-            password=urllib.parse.unquote(parts.password or ""),
-            database=parts.path.lstrip("/") or None,
-        )
-    raise JobError(f"source.dialect {dialect!r} is not supported")
-
-
-SQLITE_SHARD_HASH = "rayllm_shard_hash"
 # Ray's sharded read asks each reader for `MOD(ABS(<hash>(<keys>)), n) = i`; Ray's default hash (MD5)
 # gives text on PostgreSQL and does not exist on SQLite, so each dialect gets one that yields a number.
 SHARD_HASH = {"postgresql": "hashtext", "mysql": "CRC32", "sqlite": SQLITE_SHARD_HASH}
-
-
-def _stable_hash(value: Any) -> int:
-    import zlib
-
-    return zlib.crc32(str(value).encode("utf-8"))
-
-
 _CAST_TO_TEXT = {"postgresql": "TEXT", "mysql": "CHAR", "sqlite": "TEXT"}
 
 
@@ -71,8 +24,6 @@ def shard_keys_for(dialect: str, keys: list[str], columns: list[str]) -> list[st
     """Each key as SQL for Ray's sharded read (``MOD(ABS(hash(CONCAT(keys))), n) = i``): a column of the
     query, quoted for the dialect (a key is never SQL of its own), cast to text (the hash functions take
     text), and never NULL, so a row with a NULL key falls in a shard too instead of in none."""
-    from airflow_provider_rayllm.job.sinks.table import quote
-
     unknown = [k for k in keys if k not in columns]
     if unknown:
         raise JobError(f"sql_shard_keys {unknown!r} are not columns of the query; its columns: {columns!r}")
@@ -83,7 +34,7 @@ def probe(source: SqlSource) -> tuple[list[str], bool]:
     """(the query's columns, whether it returns any row), from the query limited to one row; a bad query
     or table fails here, before any engine starts."""
     try:
-        conn = connect(source.dialect)
+        conn = connect(source.dialect, SQL_URI_ENV)
     except JobError:
         raise
     except Exception as exc:
@@ -101,7 +52,7 @@ def probe(source: SqlSource) -> tuple[list[str], bool]:
 def read(source: SqlSource, columns: list[str]) -> Any:
     import ray.data
 
-    from airflow_provider_rayllm.job.engines.base import LIGHT
+    from airflow_provider_rayllm.job.stream import LIGHT
 
     kwargs: dict[str, Any] = {"num_cpus": LIGHT["num_cpus"]}
     if source.shard_keys:
@@ -110,7 +61,7 @@ def read(source: SqlSource, columns: list[str]) -> Any:
         if source.parallelism:
             kwargs["override_num_blocks"] = source.parallelism
     try:
-        return ray.data.read_sql(source.sql, functools.partial(connect, source.dialect), **kwargs)
+        return ray.data.read_sql(source.sql, functools.partial(connect, source.dialect, SQL_URI_ENV), **kwargs)
     except ValueError as exc:  # Ray's own check of the sharded query, before any read task runs
         raise JobError(
             f"sql_shard_keys={source.shard_keys!r} with sql_parallelism={source.parallelism}: the "

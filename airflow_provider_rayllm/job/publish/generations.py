@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from airflow_provider_rayllm.contract.spec import JobSpec, RunSpec
-from airflow_provider_rayllm.job import io
+from airflow_provider_rayllm.job import filesystems
 
 GENERATIONS = "_generations"
 _NAME = re.compile(
@@ -50,16 +50,16 @@ class Generation:
 
 
 def generations_uri(output_uri: str) -> str:
-    return io.join(output_uri, GENERATIONS)
+    return filesystems.join(output_uri, GENERATIONS)
 
 
 def generation_uri(output_uri: str, name: str) -> str:
-    return io.join(output_uri, GENERATIONS, name)
+    return filesystems.join(output_uri, GENERATIONS, name)
 
 
 def existing(output_uri: str) -> list[Generation]:
     """Every generation folder under the prefix (oldest first); other folders are ignored."""
-    found = [Generation.parse(name) for name in io.list_subdirs(generations_uri(output_uri))]
+    found = [Generation.parse(name) for name in filesystems.list_subdirs(generations_uri(output_uri))]
     return sorted((g for g in found if g is not None), key=lambda g: (g.start, g.nonce))
 
 
@@ -97,6 +97,6 @@ def remove_older(output_uri: str, published: Generation) -> list[str]:
     removed = []
     for g in existing(output_uri):
         if g.ti == published.ti and g.start < published.start:
-            io.delete_dir(generation_uri(output_uri, g.name))
+            filesystems.delete_dir(generation_uri(output_uri, g.name))
             removed.append(g.name)
     return removed

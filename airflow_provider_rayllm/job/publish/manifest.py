@@ -10,11 +10,11 @@ from airflow_provider_rayllm import __version__
 from airflow_provider_rayllm.contract.manifest import Manifest
 from airflow_provider_rayllm.contract.names import MANIFEST_LOG_PREFIX, MANIFEST_NAME, MANIFEST_VERSION
 from airflow_provider_rayllm.contract.spec import JobSpec
-from airflow_provider_rayllm.job import io
+from airflow_provider_rayllm.job import filesystems
 
 
 def manifest_uri(output_uri: str) -> str:
-    return io.join(output_uri, MANIFEST_NAME)
+    return filesystems.join(output_uri, MANIFEST_NAME)
 
 
 def build(
@@ -73,11 +73,11 @@ def build(
 
 
 def publish(output_uri: str, body: dict[str, Any]) -> None:
-    io.write_text_atomic(manifest_uri(output_uri), json.dumps(body, indent=2, sort_keys=True))
+    filesystems.write_text_atomic(manifest_uri(output_uri), json.dumps(body, indent=2, sort_keys=True))
 
 
 def read(output_uri: str, env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
-    return io.read_json(manifest_uri(output_uri), env)
+    return filesystems.read_json(manifest_uri(output_uri), env)
 
 
 def log_line(body: dict[str, Any]) -> str:

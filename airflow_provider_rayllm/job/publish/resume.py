@@ -2,7 +2,7 @@
 not sent again.
 
 The output files an attempt writes as it goes are its checkpoints. The next attempt of the same task
-instance and settings lists those files; the request step (one actor, see ``requests.IdGate``) reads
+instance and settings lists those files; the request step (one actor, see ``requests.ids.IdGate``) reads
 their ids and drops the matching input rows; the publish step copies the files into the new
 generation, so the published output has every row once. Error rows are not kept: a retry tries them
 again. Copies carry the prefix ``ADOPTED`` and are never read as checkpoints themselves (their
@@ -14,8 +14,8 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
-from airflow_provider_rayllm.job import generations, io
-from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job import filesystems
+from airflow_provider_rayllm.job.publish import generations
 from airflow_provider_rayllm.job.sinks.files import OUTPUTS
 
 ADOPTED = "adopted-"
@@ -25,32 +25,18 @@ def saved_files(output_uri: str, current: generations.Generation, published: str
     """Output files of this run's earlier unpublished attempts, oldest attempt first."""
     files: list[str] = []
     for g in generations.unpublished_earlier(output_uri, current, published):
-        folder = io.join(generations.generation_uri(output_uri, g.name), OUTPUTS)
-        files += [f["uri"] for f in io.list_files(folder) if not posixpath.basename(f["uri"]).startswith(ADOPTED)]
+        folder = filesystems.join(generations.generation_uri(output_uri, g.name), OUTPUTS)
+        files += [
+            f["uri"] for f in filesystems.list_files(folder) if not posixpath.basename(f["uri"]).startswith(ADOPTED)
+        ]
     return files
-
-
-def read_ids(files: list[str], id_column: str) -> set[Any]:
-    """The ids in the given output files (only that column is read)."""
-    import pyarrow.json as pajson
-    import pyarrow.parquet as pq
-
-    ids: set[Any] = set()
-    for uri in files:
-        fs, path = io.filesystem_for(uri)
-        with fs.open_input_file(path) as handle:
-            table = pq.read_table(handle, columns=[id_column]) if uri.endswith(".parquet") else pajson.read_json(handle)
-        if id_column not in table.column_names:
-            raise JobError(f"saved rows in {uri!r} have no id column {id_column!r}; columns: {table.column_names!r}")
-        ids.update(table.column(id_column).to_pylist())
-    return ids
 
 
 def rows_in_file(uri: str) -> int:
     """Rows of one output file: a Parquet footer, or the lines of a JSONL file."""
     import pyarrow.parquet as pq
 
-    fs, path = io.filesystem_for(uri)
+    fs, path = filesystems.filesystem_for(uri)
     with fs.open_input_file(path) as handle:
         if uri.endswith(".parquet"):
             return pq.ParquetFile(handle).metadata.num_rows
@@ -61,8 +47,8 @@ def adopt(files: list[str], generation_uri: str) -> list[dict[str, Any]]:
     """Copy the saved files into this generation's outputs; their entries for the manifest."""
     adopted = []
     for i, uri in enumerate(files):
-        target = io.join(generation_uri, OUTPUTS, f"{ADOPTED}{i:06d}-{posixpath.basename(uri)}")
-        io.copy_file(uri, target)
+        target = filesystems.join(generation_uri, OUTPUTS, f"{ADOPTED}{i:06d}-{posixpath.basename(uri)}")
+        filesystems.copy_file(uri, target)
         adopted.append(target)
-    sizes = {f["uri"]: f["bytes"] for f in io.list_files(io.join(generation_uri, OUTPUTS))}
+    sizes = {f["uri"]: f["bytes"] for f in filesystems.list_files(filesystems.join(generation_uri, OUTPUTS))}
     return [{"uri": uri, "rows": rows_in_file(uri), "bytes": sizes.get(uri, 0)} for uri in adopted]

@@ -1,0 +1,65 @@
+"""The warehouse, for the SQL source and the output table alike: a connection from a URI the job got as a
+secret (an environment variable, read here, so it is never pickled into a task), and identifiers quoted
+for each dialect."""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from typing import Any
+
+from airflow_provider_rayllm.contract.names import SQL_URI_ENV
+from airflow_provider_rayllm.job.errors import JobError
+
+# The hash function Ray's sharded reads call on SQLite (see ``sources.sql.SHARD_HASH``), ours.
+SQLITE_SHARD_HASH = "rayllm_shard_hash"
+
+
+def _stable_hash(value: Any) -> int:
+    import zlib
+
+    return zlib.crc32(str(value).encode("utf-8"))
+
+
+def connect(dialect: str, env_name: str = SQL_URI_ENV) -> Any:
+    uri = os.environ.get(env_name)
+    if not uri:
+        raise JobError(f"no database URI reached the job (environment variable {env_name} is unset)")
+    if dialect == "postgresql":
+        import psycopg2
+
+        return psycopg2.connect(uri)
+    if dialect == "sqlite":
+        import sqlite3
+
+        path = uri.removeprefix("sqlite:")
+        if not os.path.exists(path):
+            raise JobError(f"the SQLite database {path!r} does not exist on the cluster")
+        conn = sqlite3.connect(path)
+        # SQLite has no hash function (nor CONCAT before 3.44) for Ray's sharded reads: ours.
+        conn.create_function(SQLITE_SHARD_HASH, 1, _stable_hash, deterministic=True)
+        if sqlite3.sqlite_version_info < (3, 44):
+            conn.create_function(
+                "CONCAT", -1, lambda *parts: "".join("" if p is None else str(p) for p in parts), deterministic=True
+            )
+        return conn
+    if dialect == "mysql":
+        import pymysql
+
+        parts = urllib.parse.urlsplit(uri)
+        return pymysql.connect(
+            host=parts.hostname or "127.0.0.1",
+            port=parts.port or 3306,
+            user=urllib.parse.unquote(parts.username or ""),
+            password=urllib.parse.unquote(parts.password or ""),
+            database=parts.path.lstrip("/") or None,
+        )
+    raise JobError(f"source.dialect {dialect!r} is not supported")
+
+
+def quote(name: str, dialect: str) -> str:
+    """An identifier quoted for the dialect (the quote character doubled inside)."""
+    if "\x00" in name:
+        raise JobError(f"output_table: column name {name!r} holds a NUL character")
+    mark = "`" if dialect == "mysql" else '"'
+    return mark + name.replace(mark, mark * 2) + mark

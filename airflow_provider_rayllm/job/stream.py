@@ -1,0 +1,45 @@
+"""What the stream's stages share: the columns the job carries through Ray's stages, the CPU share of the
+light stages, and row values as plain Python."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# Columns the job carries through Ray's stages. The input columns a row keeps travel as one column
+# (KEPT_INPUT), so the engine's own output columns (``prompt``, ``messages``...) cannot overwrite them.
+KEPT_INPUT = "__rayllm_in"
+REQUEST = "__rayllm_request"
+PRE_ERROR = "__rayllm_pre_error"
+# Ray's own column for a row that failed (its engine stages pass such rows through untouched); our
+# request step and our HTTP callers use it too, so every engine's failed rows look alike.
+ERROR = "__inference_error__"
+
+# Our light stages (requests, callers, writes) take a fifth of a CPU: at a whole CPU each they would wait
+# behind the engine's stage actors on a small cluster, and deadlock a 2-core one.
+LIGHT: dict[str, Any] = {"num_cpus": 0.2}
+
+
+def is_empty(value: Any) -> bool:
+    # A JSON null or an empty CSV cell can arrive as None or as NaN, depending on the reader.
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def count(value: Any) -> int:
+    """A token count from a row (None or NaN where a row has none) as an int."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return 0
+    return int(number) if math.isfinite(number) else 0
+
+
+def to_python(value: Any) -> Any:
+    """numpy values (what Ray's blocks hold) as plain Python, for files and user code."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: to_python(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_python(v) for v in value]
+    return value
