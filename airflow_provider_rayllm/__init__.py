@@ -3,7 +3,9 @@
 Importing this package imports neither Airflow nor Ray: the Ray job and the scheduler both load it.
 """
 
-__version__ = "0.1.0"
+from airflow_provider_rayllm.version import __version__
+
+__all__ = ["__version__", "get_provider_info"]
 
 
 def get_provider_info() -> dict:

@@ -1,6 +1,6 @@
 """What ``airflow providers list`` and the connection form know about this package."""
 
-from airflow_provider_rayllm import __version__
+from airflow_provider_rayllm.version import __version__
 
 
 def get_provider_info() -> dict:

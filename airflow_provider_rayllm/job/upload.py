@@ -22,10 +22,10 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from airflow_provider_rayllm import __version__
 from airflow_provider_rayllm.contract.spec import UploadJobSpec
 from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.version import __version__
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 MODEL_MANIFEST = "rayllm-model-manifest.json"

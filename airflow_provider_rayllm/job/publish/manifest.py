@@ -6,11 +6,11 @@ import json
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
-from airflow_provider_rayllm import __version__
 from airflow_provider_rayllm.contract.manifest import Manifest
 from airflow_provider_rayllm.contract.names import MANIFEST_LOG_PREFIX, MANIFEST_NAME, MANIFEST_VERSION
 from airflow_provider_rayllm.contract.spec import JobSpec
 from airflow_provider_rayllm.job import filesystems
+from airflow_provider_rayllm.version import __version__
 
 
 def manifest_uri(output_uri: str) -> str:
