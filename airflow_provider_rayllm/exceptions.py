@@ -19,3 +19,8 @@ class RayJobLost(RayLLMError):
 
 class InvalidSpec(RayLLMError, AirflowFailException):
     """The operator's settings cannot make a valid job spec; raised before anything is submitted."""
+
+
+class RayJobRefused(RayJobFailed, AirflowFailException):
+    """The job refused to run as it was set (settings, input or the cluster's hardware), before any engine
+    started: a retry would fail the same way."""

@@ -28,6 +28,9 @@ SECRET_MARKER = "$secret"
 # Lines the job prints for the operator to read from its log.
 MANIFEST_LOG_PREFIX = "RAYLLM_MANIFEST "
 ERROR_LOG_PREFIX = "RAYLLM_ERROR "
+# Printed alone just before the error line when a retry cannot help (the settings, the input or the cluster's
+# hardware refuse the job): the operator then fails the task without spending its retries.
+REFUSED_LOG_LINE = "RAYLLM_REFUSED"
 PROGRESS_LOG_PREFIX = "RAYLLM_PROGRESS "
 
 # Columns our job adds to every output row; input columns with these names are refused.

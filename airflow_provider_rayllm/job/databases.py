@@ -53,8 +53,26 @@ def connect(dialect: str, env_name: str = SQL_URI_ENV) -> Any:
             user=urllib.parse.unquote(parts.username or ""),
             password=urllib.parse.unquote(parts.password or ""),
             database=parts.path.lstrip("/") or None,
+            **mysql_options(dict(urllib.parse.parse_qsl(parts.query))),
         )
     raise JobError(f"source.dialect {dialect!r} is not supported")
+
+
+def mysql_options(query: dict[str, str]) -> dict[str, Any]:
+    """The connection's driver options (the URI's query, from the Airflow connection's extras) as pymysql's
+    keyword arguments: TLS files, whether to verify the server's certificate, timeouts, charset."""
+    options: dict[str, Any] = {}
+    ssl = {key: query[f"ssl_{key}"] for key in ("ca", "cert", "key") if query.get(f"ssl_{key}")}
+    if ssl:
+        options["ssl"] = ssl
+    if "ssl_verify_cert" in query:
+        options["ssl_verify_cert"] = query["ssl_verify_cert"].lower() in ("1", "true", "yes")
+    for name in ("connect_timeout", "read_timeout"):
+        if query.get(name):
+            options[name] = int(float(query[name]))
+    if query.get("charset"):
+        options["charset"] = query["charset"]
+    return options
 
 
 def quote(name: str, dialect: str) -> str:

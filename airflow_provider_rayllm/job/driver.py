@@ -24,7 +24,7 @@ from airflow_provider_rayllm.contract.names import ERROR_COLUMN, OUTPUT_TOKENS_I
 from airflow_provider_rayllm.contract.spec import JobSpec, PromptSpec
 from airflow_provider_rayllm.job.engines import open_engine
 from airflow_provider_rayllm.job.engines.base import Engine
-from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.errors import JobError, JobRefused
 from airflow_provider_rayllm.job.progress import AnswerCounter, ProgressLog
 from airflow_provider_rayllm.job.publish.publisher import Publisher
 from airflow_provider_rayllm.job.requests.stage import RequestStage
@@ -224,7 +224,12 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     started_at = datetime.now(timezone.utc).isoformat()
 
     # 1. Checks that need no engine, no endpoint and no rows.
-    source, keep, engine = preflight(spec, package_dir)
+    try:
+        source, keep, engine = preflight(spec, package_dir)
+    except JobRefused:
+        raise
+    except JobError as exc:
+        raise JobRefused(str(exc)) from None
 
     # 2. This attempt's own folder; with an id column, the answers an earlier attempt saved.
     publisher = Publisher.start(spec)

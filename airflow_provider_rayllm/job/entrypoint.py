@@ -10,10 +10,10 @@ import signal
 import sys
 import time
 
-from airflow_provider_rayllm.contract.names import ERROR_LOG_PREFIX
+from airflow_provider_rayllm.contract.names import ERROR_LOG_PREFIX, REFUSED_LOG_LINE
 from airflow_provider_rayllm.contract.spec import SpecError, UploadJobSpec, parse_spec
 from airflow_provider_rayllm.job import secrets
-from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.errors import JobError, JobRefused
 from airflow_provider_rayllm.job.publish import manifest
 
 log = logging.getLogger("airflow_provider_rayllm.job")
@@ -64,6 +64,8 @@ def main(argv: list[str]) -> int:
 
             body = driver.run(spec, submission_id, package_dir)
     except (JobError, SpecError) as exc:
+        if isinstance(exc, (JobRefused, SpecError)):
+            print(REFUSED_LOG_LINE, flush=True)
         print(f"{ERROR_LOG_PREFIX}{secrets.scrub(str(exc), secrets.secret_values())}", flush=True)
         return 1
     except Exception as exc:  # anything unforeseen still ends with one line the operator can quote

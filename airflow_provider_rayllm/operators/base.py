@@ -27,6 +27,7 @@ from airflow_provider_rayllm.contract.names import (
     ENTRYPOINT,
     ERROR_LOG_PREFIX,
     MANIFEST_LOG_PREFIX,
+    REFUSED_LOG_LINE,
     SECRETS_FILE,
     SETUP_HOOK,
     SPEC_FILE,
@@ -41,7 +42,7 @@ from airflow_provider_rayllm.contract.spec import (
     uri_scheme,
     validate_body,
 )
-from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayLLMError
+from airflow_provider_rayllm.exceptions import InvalidSpec, RayJobFailed, RayJobLost, RayJobRefused, RayLLMError
 from airflow_provider_rayllm.hooks.ray_job import ACTIVE_STATES, OutageClock, RayJobHook, lost_message
 from airflow_provider_rayllm.links import RayJobLink
 from airflow_provider_rayllm.operators import arguments as args_mod
@@ -103,7 +104,7 @@ class JobLogView:
         self.traceback: list[str] | None = None
 
     def feed(self, line: str) -> list[str]:
-        if not line.strip() or line.startswith(MANIFEST_LOG_PREFIX):
+        if not line.strip() or line.startswith(MANIFEST_LOG_PREFIX) or line.strip() == REFUSED_LOG_LINE:
             return []
         worker = self.WORKER.match(line)
         text = line[worker.end() :] if worker else line
@@ -533,18 +534,21 @@ class RayJobOperator(BaseOperator):
         return self._finish(context, submission_id, str(event["status"]), str(event.get("message") or ""))
 
     # --- finish ---------------------------------------------------------------------------------
-    def _job_error_line(self, submission_id: str) -> tuple[str, str]:
-        """The job's own error line (with the root cause when it only says a worker died) and its log's end."""
+    def _job_error_line(self, submission_id: str) -> tuple[str, str, bool]:
+        """The job's own error line (with the root cause when it only says a worker died), its log's end, and
+        whether the job refused to run as set (a retry would fail the same way)."""
         try:
             lines = self.hook.get_job_logs(submission_id).splitlines()
         except Exception:
-            return "", ""
+            return "", "", False
         ours = [_COLOR.sub("", line[len(ERROR_LOG_PREFIX) :]) for line in lines if line.startswith(ERROR_LOG_PREFIX)]
         error = ours[-1] if ours else ""
         cause = root_cause(lines, error)
         if cause:
             error = f"{error} (caused by {cause})" if error else cause
-        return error, "\n".join(lines[-40:])
+        refused = any(line.strip() == REFUSED_LOG_LINE for line in lines)
+        shown = [line for line in lines[-41:] if line.strip() != REFUSED_LOG_LINE][-40:]
+        return error, "\n".join(shown), refused
 
     def _secret_values(self) -> list[str]:
         """The secrets this task sends, to scrub from what it logs or raises (a courtesy when unreadable)."""
@@ -558,12 +562,13 @@ class RayJobOperator(BaseOperator):
             raise RayJobLost(f"{message}; a retry of this task submits the job again")
         if status != "SUCCEEDED":
             known = self._secret_values()
-            error, tail = self._job_error_line(submission_id)
+            error, tail, refused = self._job_error_line(submission_id)
             if tail:
                 self.log.error("Last lines of Ray job %s:\n%s", submission_id, scrub(tail, known))
             detail = f": {error}" if error else ""
             first = ray_reason(message)
-            raise RayJobFailed(scrub(f"Ray job {submission_id} ended {status}{detail} (Ray: {first})", known))
+            failure = RayJobRefused if refused else RayJobFailed
+            raise failure(scrub(f"Ray job {submission_id} ended {status}{detail} (Ray: {first})", known))
         manifest = self._read_manifest(submission_id)
         self.publish(context, manifest)
         self._report_lineage(manifest)

@@ -185,6 +185,8 @@ def _failed_job(hook, dag, conf, date):
     assert str(job.status) in ("FAILED", "JobStatus.FAILED")
     logs = hook.get_job_logs(job.submission_id)
     assert "vLLMEngineStageUDF" not in logs, "the engine must not start for a bad configuration"
+    # Refused before any engine started: the operator fails the task without a retry (AirflowFailException).
+    assert "RAYLLM_REFUSED" in logs.splitlines(), "a refusal is marked so that no retry is spent on it"
     return [line for line in logs.splitlines() if line.startswith("RAYLLM_ERROR ")][-1]
 
 

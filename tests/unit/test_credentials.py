@@ -217,3 +217,16 @@ def test_a_stopped_driver_removes_its_nodes_secrets_at_once(tmp_path):
     finally:
         driver.kill()
         driver.wait()
+
+
+def test_a_mysql_connections_tls_and_timeouts_reach_the_jobs_driver(monkeypatch):
+    """The extras travel in the URI's query (above) and the job turns them into pymysql's arguments."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    from airflow_provider_rayllm.job.databases import mysql_options
+
+    extra = {"ssl_ca": "/ca.pem", "ssl_verify_cert": True, "connect_timeout": 7, "cursorclass": "x"}
+    conn(monkeypatch, "m", conn_type="mysql", host="m", login="root", schema="test", extra=extra)
+    _, env = credentials.sql_source("m")
+    query = dict(parse_qsl(urlsplit(env["RAYLLM_SQL_URI"]).query))
+    assert mysql_options(query) == {"ssl": {"ca": "/ca.pem"}, "ssl_verify_cert": True, "connect_timeout": 7}

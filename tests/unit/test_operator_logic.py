@@ -141,6 +141,29 @@ def test_failed_event_raises_with_the_jobs_own_error():
         op.execute_complete({"ti": Ti()}, {"status": "FAILED", "submission_id": "B-g0", "message": "boom"})
 
 
+def test_a_job_that_refused_its_settings_fails_without_a_retry_and_one_that_crashed_keeps_them():
+    """The job prints RAYLLM_REFUSED before its error line when a retry cannot help (a missing column, found
+    before any engine started): the task raises an AirflowFailException. Any other failure stays retryable."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_rayllm.exceptions import RayJobRefused
+
+    class Refused(JobsOnRecord):
+        def get_job_logs(self, sid):
+            return "line 1\nRAYLLM_REFUSED\nRAYLLM_ERROR prompt needs column(s) ['q'] that the input lacks"
+
+    op = operator()
+    op.__dict__["hook"] = Refused({})
+    with pytest.raises(RayJobRefused, match=r"prompt needs column") as refused:
+        op.execute_complete({"ti": Ti()}, {"status": "FAILED", "submission_id": "B-g0", "message": "boom"})
+    assert isinstance(refused.value, AirflowFailException)
+    crashed = operator()
+    crashed.__dict__["hook"] = JobsOnRecord({})
+    with pytest.raises(RayJobFailed) as failed:
+        crashed.execute_complete({"ti": Ti()}, {"status": "FAILED", "submission_id": "B-g0", "message": "boom"})
+    assert not isinstance(failed.value, AirflowFailException)
+
+
 def test_lost_event_raises_job_lost():
     op = operator()
     with pytest.raises(RayJobLost, match="job lost"):
