@@ -12,6 +12,8 @@ SPEC_FILE = "spec.json"
 # What the operator submits: the job half's command, run in the folder that holds SPEC_FILE.
 ENTRYPOINT = f"python -m airflow_provider_rayllm.job {SPEC_FILE}"
 SECRETS_FILE = "secrets.json"
+# Beside it: which submission the package belongs to (no secret), so a later job can tell a leftover.
+JOB_FILE = "rayllm-job.json"
 # Every worker process of a job runs this first: it loads the secrets file into its own environment.
 SETUP_HOOK = "airflow_provider_rayllm.job.worker_setup.setup"
 

@@ -10,15 +10,25 @@ from airflow_provider_rayllm.contract.names import SECRET_MARKER
 
 # Names that hold a secret: such a setting is moved to the job's secrets or shown as ***, never logged.
 # "token" only as a word of its own (hf_token, VENDOR_API_TOKEN, accessToken): counts of tokens
-# (max_num_batched_tokens) and the tokenizer are settings to show.
+# (max_num_batched_tokens) and the tokenizer are settings to show. "key" as the last word of a name
+# (STRIPE_KEY, api-key), DATABASE_URL and any *_DSN: they carry a password.
 SECRET_NAME = re.compile(
-    r"(token(?!s|iz)|secret|passw(or)?d|api[_-]?key|access[_-]?key|private[_-]?key|credential|auth)", re.IGNORECASE
+    r"(token(?!s|iz)|secret|passw(or)?d|pwd|api[_-]?key|access[_-]?key|private[_-]?key|credential|auth"
+    r"|(^|[_.-])key$|database[_-]?url|(^|[_.-])dsn$)",
+    re.IGNORECASE,
 )
-_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<who>[^/@\s:]+(:[^/@\s]*)?)@")
+# Credentials in a URL's authority: everything before its last "@" (a password may hold "@" itself, and the
+# user may be empty: "redis://:pw@host").
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<who>[^/\s?#]*)@")
 
 
 def is_secret_name(name: str) -> bool:
     return bool(SECRET_NAME.search(str(name)))
+
+
+def has_url_credentials(value: str) -> bool:
+    """A URL with user information (``scheme://user:pw@host``): its value is a secret whatever its name."""
+    return bool(_URL_CREDENTIALS.search(value))
 
 
 def redact(value: Any) -> Any:
@@ -50,7 +60,11 @@ def secret_env_vars(runtime_env: dict[str, Any] | None) -> tuple[dict[str, Any] 
     """(a runtime_env without its secret-looking env_vars, those env vars): Ray shows a runtime_env's
     env_vars to anyone who can list jobs; the job's secrets file carries them instead."""
     env_vars = (runtime_env or {}).get("env_vars") or {}
-    moved = {k: str(v) for k, v in env_vars.items() if is_secret_name(k) and v not in (None, "")}
+    moved = {
+        k: str(v)
+        for k, v in env_vars.items()
+        if v not in (None, "") and (is_secret_name(k) or (isinstance(v, str) and has_url_credentials(v)))
+    }
     if not moved:
         return runtime_env, {}
     kept = {k: v for k, v in env_vars.items() if k not in moved}

@@ -16,12 +16,14 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from typing import Any, Iterator
 
 from airflow_provider_rayllm.contract.names import ERROR_COLUMN, OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT
 from airflow_provider_rayllm.contract.spec import JobSpec, PromptSpec
+from airflow_provider_rayllm.job import secrets
 from airflow_provider_rayllm.job.engines import open_engine
 from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.errors import JobError, JobRefused
@@ -215,10 +217,26 @@ def preflight(spec: JobSpec, package_dir: str) -> tuple[Any, list[str], Engine]:
     return source, keep, engine
 
 
+def _sweep_leftover_secrets() -> None:
+    """Beside the job: the secrets an earlier job left on the nodes when its driver was killed."""
+    try:
+        removed = secrets.sweep_leftovers()
+    except Exception as exc:  # never fails the job; said, not hidden
+        print(f"WARNING: could not sweep secrets left by ended jobs: {type(exc).__name__}: {exc}", flush=True)
+        return
+    if removed:
+        log_info("removed %d secrets file(s) that ended jobs left on the cluster's nodes", len(removed))
+
+
+# Runs beside the job from its start; the entrypoint waits for it (a while) before the job's own cleanup.
+SWEEPER = threading.Thread(target=_sweep_leftover_secrets, name="rayllm-secrets-sweep", daemon=True)
+
+
 def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     import ray
 
     ray.init(log_to_driver=True)
+    SWEEPER.start()
     _configure_ray_data(spec)
     started = time.time()
     started_at = datetime.now(timezone.utc).isoformat()

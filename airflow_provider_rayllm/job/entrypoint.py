@@ -77,9 +77,18 @@ def main(argv: list[str]) -> int:
         print(f"{ERROR_LOG_PREFIX}{secrets.scrub(f'{type(exc).__name__}: {first_line}', known)}", flush=True)
         return 1
     finally:
+        _wait_for_sweep()
         _cleanup(loaded, package_dir)
     print(manifest.log_line(body), flush=True)
     return 0
+
+
+def _wait_for_sweep(timeout_s: float = 30.0) -> None:
+    """The driver's sweep of what ended jobs left (``secrets.sweep_leftovers``) ends before this job does."""
+    driver = sys.modules.get("airflow_provider_rayllm.job.driver")
+    sweeper = getattr(driver, "SWEEPER", None)
+    if sweeper is not None and sweeper.is_alive():
+        sweeper.join(timeout_s)
 
 
 def _stopped(package_dir: str | None) -> None:

@@ -8,7 +8,13 @@ metadata nor the runtime_env env_vars carry a secret, and nothing here logs a va
 Ray keeps a job's package in its store and unpacked on every node that ran the job's workers, long after
 the job ended. So the driver, whatever way the job ends (success, failure, or a stop: Ray sends SIGTERM
 first), removes the secrets file and the key file from its node's copy and the package from the cluster's
-store at once, then from every other node's copy (``cleanup``).
+store at once, then from every other node's copy (``cleanup``), and says which nodes did not answer. A
+driver that never reaches its cleanup (SIGKILL, the OOM killer, ``os._exit``) leaves its node's copies: the
+next job of this package removes them at its start (``sweep_leftovers``), from every node, for each package
+whose job (named in its ``rayllm-job.json``) is no longer active.
+
+Ray unpacks the package with the default file mode; the first process of the job on a node narrows the
+secrets file to 0600 before it reads it.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import json
 import os
 import stat
 import tempfile
+from typing import Any
 
-from airflow_provider_rayllm.contract.names import GCP_KEYFILE_JSON, SECRETS_FILE
+from airflow_provider_rayllm.contract.names import GCP_KEYFILE_JSON, JOB_FILE, SECRETS_FILE
 
 # A service-account key travels as JSON text and becomes a 0600 file for the Google clients.
 GCP_KEYFILE_NAME = "gcp-keyfile.json"
@@ -29,6 +36,10 @@ def load_into_env(directory: str | None = None) -> list[str]:
     path = os.path.join(directory or os.getcwd(), SECRETS_FILE)
     if not os.path.exists(path):
         return []
+    try:
+        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+    except OSError:  # another user's file: reading it is what matters here
+        pass
     with open(path, encoding="utf-8") as handle:
         values: dict[str, str] = json.load(handle)
     keyfile = values.pop(GCP_KEYFILE_JSON, None)
@@ -120,14 +131,78 @@ def cleanup(package_dir: str, timeout_s: float = 15.0) -> None:
         _remove_on_every_node(timeout_s)
 
 
-def _remove_on_every_node(timeout_s: float) -> None:
+def _on_every_node(function: Any, timeout_s: float, *args: Any) -> list[Any]:
+    """``function(*args)`` as a task pinned to each live node, in the job's runtime env; the results. A node
+    whose task did not end within ``timeout_s`` is an error that names it."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    remove = ray.remote(num_cpus=0, max_retries=0)(remove_local)
-    refs = [
-        remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()
+    remote = ray.remote(num_cpus=0, max_retries=0)(function)
+    refs = {
+        remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
+            *args
+        ): node["NodeID"]
         for node in ray.nodes()
         if node.get("Alive")
-    ]
-    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    }
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        missing = sorted(refs[ref][:12] for ref in pending)
+        raise RuntimeError(f"{len(pending)} node(s) did not answer within {timeout_s:.0f} s: {missing}")
+    return ray.get(ready)
+
+
+def _remove_on_every_node(timeout_s: float) -> None:
+    _on_every_node(remove_local, timeout_s)
+
+
+def _leftovers_here(active: list[str]) -> list[str]:
+    """On this node: the secrets files of job packages whose job is not active (this job's package is the
+    task's working directory; its siblings are the other jobs' packages on this node)."""
+    here = os.getcwd()
+    removed: list[str] = []
+    for entry in os.scandir(os.path.dirname(here)):
+        if not entry.is_dir() or os.path.samefile(entry.path, here):
+            continue
+        if not any(os.path.exists(os.path.join(entry.path, n)) for n in (SECRETS_FILE, GCP_KEYFILE_NAME)):
+            continue
+        try:
+            with open(os.path.join(entry.path, JOB_FILE), encoding="utf-8") as handle:
+                owner = json.load(handle).get("submission_id")
+        except (OSError, ValueError):
+            continue  # not one of ours
+        if owner and owner not in active:
+            removed += remove_local(entry.path)
+    return removed
+
+
+def _jobs() -> list[Any]:
+    """The cluster's submitted jobs with their details (Ray's state API)."""
+    from ray.util.state import list_jobs
+
+    return list_jobs(limit=100_000, detail=True, raise_on_missing_output=False)
+
+
+def _active(job: Any) -> bool:
+    return str(job.status).rsplit(".", 1)[-1] in ("PENDING", "RUNNING")
+
+
+def sweep_leftovers(timeout_s: float = 15.0) -> list[str]:
+    """What ended jobs of this package left on the cluster when their driver was killed before its cleanup: the
+    secrets files on every node, and their packages in the cluster's store (each ended job of ours names its
+    package in its runtime_env). Returns what was removed."""
+    import ray
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_exists
+
+    if not ray.is_initialized():
+        ray.init(log_to_driver=False)
+    jobs = _jobs()
+    active = sorted(str(j.submission_id) for j in jobs if j.submission_id and _active(j))
+    removed = [path for found in _on_every_node(_leftovers_here, timeout_s, active) for path in found]
+    for job in jobs:
+        package = str((job.runtime_env or {}).get("working_dir") or "")
+        ours = (job.metadata or {}).get("rayllm_submission_id")
+        if ours and not _active(job) and package.startswith("gcs://") and _internal_kv_exists(package):
+            _internal_kv_del(package)
+            removed.append(package)
+    return removed

@@ -26,6 +26,7 @@ from typing_extensions import Unpack
 from airflow_provider_rayllm.contract.names import (
     ENTRYPOINT,
     ERROR_LOG_PREFIX,
+    JOB_FILE,
     MANIFEST_LOG_PREFIX,
     REFUSED_LOG_LINE,
     SECRETS_FILE,
@@ -423,11 +424,13 @@ class RayJobOperator(BaseOperator):
 
     def _submit(self, submission_id: str, spec: AnySpec, package_dir: Path) -> None:
         (package_dir / SPEC_FILE).write_text(spec.to_json())
+        (package_dir / JOB_FILE).write_text(json.dumps({"submission_id": submission_id}))
         secrets = self.secrets()
         if secrets:
-            path = package_dir / SECRETS_FILE
-            path.touch(mode=0o600)
-            path.write_text(json.dumps(secrets))
+            # Private from its creation: opened with mode 0600, never widened and narrowed after.
+            fd = os.open(package_dir / SECRETS_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps(secrets))
             self.log.info("Job secrets passed through the job package: %s", sorted(secrets))
         metadata = {
             METADATA_OUTPUT_URI: spec.output_uri,

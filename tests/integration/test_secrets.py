@@ -202,3 +202,36 @@ def test_a_stopped_driver_deletes_its_package_from_the_store_at_once(ray_conn, t
     finally:
         driver.kill()
         driver.wait()
+
+
+def test_secrets_a_killed_driver_left_are_removed_by_the_next_job(ray_conn, endpoint, test_home):
+    """SIGKILL (as the OOM killer or os._exit would) skips every cleanup of the driver: its node keeps the
+    job's secrets file and the store keeps its package. The next job of this package removes both, from
+    every node, because their job has ended."""
+    import signal
+
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    info, hook = ray_conn["info"], RayJobHook()
+    many = [{"id": i, "prompt": f"killed row {i}"} for i in range(200)]
+    killed_ti = StandInTI("secrets", "manual__killed", "killed")
+    killed = _op("killed", write_jsonl(test_home / "inputs" / "secrets-killed.jsonl", many), test_home)
+    thread, outcome = run_in_thread(killed, killed_ti)
+    wait_for(lambda: "submission_id" in killed_ti.xcom, 60, "the job to be submitted")
+    sid = killed_ti.xcom["submission_id"]
+    wait_for(lambda: "RAYLLM_PROGRESS" in hook.get_job_logs(sid), 180, "the job to report progress")
+    os.kill(int(hook.get_job_info(sid)["driver_info"]["pid"]), signal.SIGKILL)
+    thread.join(timeout=120)
+    assert "ended FAILED" in str(outcome.get("error")), outcome
+    left = _files_holding_canaries(info)
+    assert left, "the killed driver left its secrets on the node (the case this test is about)"
+    assert _store_holding_canaries(info)["found"], "and its package in the store"
+
+    next_ti = StandInTI("secrets", "manual__after_kill", "next")
+    rows = [{"id": i, "prompt": f"next row {i}"} for i in range(4)]
+    manifest = _op("next", write_jsonl(test_home / "inputs" / "secrets-next.jsonl", rows), test_home).execute(
+        {"ti": next_ti}
+    )
+    assert manifest["rows_out"] == len(rows)
+    assert _files_holding_canaries(info) == [], f"left on the nodes after the next job: {left}"
+    assert _store_holding_canaries(info)["found"] == [], "left in the store after the next job"

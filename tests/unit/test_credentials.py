@@ -168,6 +168,42 @@ def test_secret_names_are_hidden_and_token_counts_are_shown():
     assert shown["base_url"] == "https://***@example.com/v1"
 
 
+@pytest.mark.parametrize(
+    "name", ["STRIPE_KEY", "api-key", "MY_SECRET", "DB_PASSWORD", "DATABASE_URL", "SENTRY_DSN", "GITHUB_TOKEN"]
+)
+def test_each_kind_of_secret_name_is_a_secret(name):
+    from airflow_provider_rayllm.contract.secrets import is_secret_name, secret_env_vars
+
+    assert is_secret_name(name)
+    kept, moved = secret_env_vars({"env_vars": {name: "canary-value", "LOG_LEVEL": "debug"}})
+    assert moved == {name: "canary-value"} and kept == {"env_vars": {"LOG_LEVEL": "debug"}}
+
+
+@pytest.mark.parametrize("name", ["max_num_batched_tokens", "tokenizer", "monkey", "hockey", "KEYBOARD_LAYOUT"])
+def test_settings_that_only_look_like_secrets_are_shown(name):
+    from airflow_provider_rayllm.contract.secrets import is_secret_name
+
+    assert not is_secret_name(name)
+
+
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("postgresql://u:p@ss@db:5432/x", "postgresql://***@db:5432/x"),  # a password holding "@"
+        ("redis://:hunter2@cache:6379/0", "redis://***@cache:6379/0"),  # no user, only a password
+        ("https://user:pass@example.com/v1?q=a@b", "https://***@example.com/v1?q=a@b"),  # "@" after the host stays
+        ("s3://bucket/key@2x.png", "s3://bucket/key@2x.png"),  # no credentials: "@" in the path
+    ],
+)
+def test_credentials_in_a_url_are_redacted_however_they_are_written(url, shown):
+    from airflow_provider_rayllm.contract.secrets import has_url_credentials, redact, secret_env_vars
+
+    assert redact(url) == shown
+    assert has_url_credentials(url) == (url != shown)
+    # A URL with credentials is a secret whatever the variable's name.
+    assert bool(secret_env_vars({"env_vars": {"UPSTREAM": url}})[1]) == (url != shown)
+
+
 _STOPPED_DRIVER = """
 import sys, time
 from airflow_provider_rayllm.job import driver, entrypoint, secrets
@@ -230,3 +266,68 @@ def test_a_mysql_connections_tls_and_timeouts_reach_the_jobs_driver(monkeypatch)
     _, env = credentials.sql_source("m")
     query = dict(parse_qsl(urlsplit(env["RAYLLM_SQL_URI"]).query))
     assert mysql_options(query) == {"ssl": {"ca": "/ca.pem"}, "ssl_verify_cert": True, "connect_timeout": 7}
+
+
+def test_the_operator_writes_the_secrets_file_private_from_its_creation(tmp_path, monkeypatch):
+    """The file is created with mode 0600 (never wider, even for a moment) beside the owner file that names the
+    submission, which a later job reads to tell a leftover from a live job's file."""
+    import os
+    import stat
+
+    from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
+
+    seen = {}
+
+    class Hook:
+        def submit_job(self, *, runtime_env, submission_id, **kw):
+            folder = runtime_env["working_dir"]
+            seen["mode"] = stat.S_IMODE(os.stat(os.path.join(folder, "secrets.json")).st_mode)
+            seen["owner"] = json.loads(open(os.path.join(folder, "rayllm-job.json")).read())
+            seen["secrets"] = json.loads(open(os.path.join(folder, "secrets.json")).read())
+
+    old = os.umask(0)  # even a permissive umask gives 0600
+    try:
+        op = VLLMBatchOperator(
+            task_id="t",
+            model_source="/m",
+            input_uri="/in.jsonl",
+            prompt_column="q",
+            output_uri=str(tmp_path / "out"),
+            runtime_env={"env_vars": {"HF_TOKEN": "hf_canary_value"}},
+        )
+        op.__dict__["hook"] = Hook()
+        spec = op.build_spec({"ti": _Ti()}, tmp_path)
+        op._submit("sub-1", spec, tmp_path)
+    finally:
+        os.umask(old)
+    assert seen["mode"] == 0o600
+    assert seen["owner"] == {"submission_id": "sub-1"}
+    assert seen["secrets"]["HF_TOKEN"] == "hf_canary_value"
+
+
+class _Ti:
+    dag_id, run_id, task_id, map_index, try_number = "dag", "manual__1", "t", -1, 1
+
+
+def test_a_later_job_removes_only_the_secrets_that_ended_jobs_left(tmp_path, monkeypatch):
+    """A node's packages: an ended job's (its driver was killed before its cleanup), a running job's, one that
+    is not ours, and the sweeping job's own. Only the ended job's secrets go."""
+    from airflow_provider_rayllm.job import secrets
+
+    root = tmp_path / "working_dir_files"
+    packages = {}
+    for name, owner in (("ended", "sub-ended"), ("running", "sub-running"), ("foreign", None), ("mine", "sub-me")):
+        folder = root / f"_ray_pkg_{name}"
+        folder.mkdir(parents=True)
+        (folder / "secrets.json").write_text(json.dumps({"K": "v"}))
+        if owner:
+            (folder / "rayllm-job.json").write_text(json.dumps({"submission_id": owner}))
+        packages[name] = folder
+    (packages["ended"] / "gcp-keyfile.json").write_text("{}")
+    monkeypatch.chdir(packages["mine"])
+    removed = secrets._leftovers_here(["sub-running", "sub-me"])
+    assert sorted(removed) == sorted(
+        [str(packages["ended"] / "secrets.json"), str(packages["ended"] / "gcp-keyfile.json")]
+    )
+    left = {name: (folder / "secrets.json").exists() for name, folder in packages.items()}
+    assert left == {"ended": False, "running": True, "foreign": True, "mine": True}
