@@ -1,4 +1,4 @@
-"""`python -m airflow_provider_rayllm.local start|stop|restart|status|conn|demo|models`."""
+"""`python -m airflow_provider_rayllm.local start|stop|restart|status|conn|demo|models|services`."""
 
 from __future__ import annotations
 
@@ -11,17 +11,32 @@ from airflow_provider_rayllm.local.cluster import DEFAULT_STATE_DIR, LocalRayClu
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m airflow_provider_rayllm.local")
-    parser.add_argument("command", choices=["start", "stop", "restart", "status", "conn", "demo", "models"])
+    parser.add_argument("command", choices=["start", "stop", "restart", "status", "conn", "demo", "models", "services"])
     parser.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR))
     parser.add_argument("--num-cpus", type=int, default=None)
     parser.add_argument("--worker-nodes", type=int, default=0, help="for `start`: extra raylets on this machine")
     parser.add_argument("--worker-cpus", type=int, default=2, help="for `start`: logical CPUs of each extra raylet")
     parser.add_argument("--output-base", default=None, help="for `conn`: the default output prefix")
+    parser.add_argument(
+        "--no-llm", action="store_true", help="for `services`: no OpenAI-compatible server (saves a minute and 2 GB)"
+    )
+    parser.add_argument("--detach", action="store_true", help="for `services`: return once they are up")
+    parser.add_argument("--stop", action="store_true", help="for `services`: stop the ones --detach started")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from airflow_provider_rayllm.local.demo import main as demo_main
 
         return demo_main()
+    if args.command == "services":
+        from pathlib import Path
+
+        from airflow_provider_rayllm.local import services
+
+        if args.stop:
+            return services.stop_detached()
+        if args.detach:
+            return services.detach(with_llm=not args.no_llm, state_dir=Path(args.state_dir))
+        return services.run(with_llm=not args.no_llm, state_dir=Path(args.state_dir))
     if args.command == "models":
         from airflow_provider_rayllm.local.models import main as models_main
 
