@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 import threading
 import time
@@ -227,6 +228,8 @@ class JobLogTail:
                 return out
 
     def _run(self) -> None:
+        # Ray's client says at INFO that the tail closed, each time a job ends: the task log has its own end.
+        logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)
         asyncio.run(self._follow())
 
     async def _follow(self) -> None:

