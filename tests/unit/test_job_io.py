@@ -23,6 +23,10 @@ def test_folder_glob_and_file(tmp_path):
     assert source_files.expand(FileSource(uris=[str(tmp_path / "in")])) == [str(a), str(b)]
     assert source_files.expand(FileSource(uris=[str(tmp_path / "in" / "*" / "*.parquet")])) == [str(a), str(b)]
     assert source_files.expand(FileSource(uris=[str(a)])) == [str(a)]
+    # A published prefix of ours as the input: files under hidden folders are skipped too.
+    touch(tmp_path / "in" / "_errors" / "part-x.parquet")
+    touch(tmp_path / "in" / "_generations" / "g" / "outputs" / "part-y.parquet")
+    assert source_files.expand(FileSource(uris=[str(tmp_path / "in")])) == [str(a), str(b)]
 
 
 def test_missing_inputs_are_named(tmp_path):
