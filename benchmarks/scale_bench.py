@@ -111,7 +111,10 @@ class Watch:
         self.spill_requests = requests - self.spill_requests_at_start
 
     def _output_files(self) -> int:
-        return sum(1 for _ in self.output_uri.glob("_generations/*/outputs/part-*"))
+        # Written into the generation's folder while the job runs, moved to the top level when it publishes.
+        return sum(1 for _ in self.output_uri.glob("_generations/*/outputs/part-*")) + sum(
+            1 for _ in self.output_uri.glob("part-*")
+        )
 
     def _sample_outputs(self) -> None:
         if self.first_output_at is None and any(self.output_uri.glob("_generations/*/outputs/part-*")):

@@ -23,9 +23,13 @@ XCOM = [
     (
         "VLLMBatchOperator, HttpLLMBatchOperator",
         "`return_value`",
-        "The manifest: `output_uri` (the task's prefix), `outputs_folder` and `errors_folder` (the published files' folders), `output_files` / `error_files` (URI, rows, bytes each), `rows_in` / `rows_out` / `rows_errored` / `rows_resumed`, `errors_by_reason`, token totals, `timeline`, the engine's resolved settings and, with a price, `estimated_cost`.",
+        "The manifest: `output_uri` (the task's prefix), `outputs_folder` (the prefix itself: its visible files are the published rows) and `errors_folder` (`<prefix>/_errors`), `output_files` / `error_files` (URI, rows, bytes each), `rows_in` / `rows_out` / `rows_errored` / `rows_resumed`, `errors_by_reason`, token totals, `timeline`, the engine's resolved settings and, with a price, `estimated_cost`.",
     ),
-    ("VLLMBatchOperator, HttpLLMBatchOperator", "`outputs_folder`", "The folder of the published output files."),
+    (
+        "VLLMBatchOperator, HttpLLMBatchOperator",
+        "`outputs_folder`",
+        "The folder of the published output files: the output prefix itself (hidden `_` names aside).",
+    ),
     (
         "VLLMBatchOperator, HttpLLMBatchOperator",
         "`output_console_url`",

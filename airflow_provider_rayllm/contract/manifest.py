@@ -16,7 +16,7 @@ class OutputFile(BaseModel):
 
 
 class Manifest(BaseModel):
-    """What a finished batch job published (``manifest.json`` under ``output_uri``, written last), and what
+    """What a finished batch job published (``_manifest.json`` under ``output_uri``, written last), and what
     the operator returns through XCom: locations and figures, never rows. Engine-specific details (the
     resolved engine settings, the endpoint, cost) come as further keys."""
 
@@ -25,12 +25,14 @@ class Manifest(BaseModel):
     manifest_version: int = MANIFEST_VERSION
     status: str = "SUCCEEDED"
     submission_id: str = Field(description="The Ray job's submission id.")
-    generation: str = Field(description="The folder under output_uri/_generations that this manifest publishes.")
+    generation: str = Field(
+        description="The attempt (its folder was under output_uri/_generations) that this manifest publishes."
+    )
     spec_hash: str
     output_uri: str = Field(description="The task's output prefix (the operator's output_uri).")
-    outputs_folder: str = Field(description="Folder of the published output files.")
+    outputs_folder: str = Field(description="Folder of the published output files: output_uri itself.")
     errors_folder: str = Field(
-        description="Folder of the published error files (one row per failed input row, with its reason)."
+        description="Folder of the published error files (output_uri/_errors; one row per failed input row, with its reason)."
     )
     format: str
     output_files: list[OutputFile]

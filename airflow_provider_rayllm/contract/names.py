@@ -5,7 +5,12 @@ from __future__ import annotations
 
 SPEC_VERSION = 1
 MANIFEST_VERSION = 1
-MANIFEST_NAME = "manifest.json"
+# The published output's layout under output_uri: data files at the top level (``part-*``), everything else
+# under names that folder readers (pyarrow, pandas, Spark, Athena, DuckDB) skip, as they begin with "_".
+MANIFEST_NAME = "_manifest.json"
+SUCCESS_MARKER = "_SUCCESS"  # empty, written after the manifest (the Hadoop/Spark convention)
+ERRORS_DIR = "_errors"  # the published error rows
+GENERATIONS_DIR = "_generations"  # attempts in flight, one folder each
 
 # Files in the job package (the Ray job's working_dir).
 SPEC_FILE = "spec.json"

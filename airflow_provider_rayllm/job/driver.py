@@ -4,8 +4,8 @@
 
 Order matters: every check that needs no engine runs first; the stream writes into this attempt's own
 generation folder while it runs (output files appear as answers come in, error rows go to files of their
-own); the counts are checked against each other; the manifest is written last and is what makes the
-generation the published one. The object store holds a bounded window of rows whatever the input's
+own); the counts are checked against each other; the publish moves the files to the prefix's top level
+and writes the manifest that names them (see ``publish.publisher``). The object store holds a bounded window of rows whatever the input's
 size, and the driver holds no rows: the counts come from the stages (see ``progress``) and from the
 write tasks' results.
 """
@@ -250,7 +250,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         raise JobRefused(str(exc)) from None
 
     # 2. This attempt's own folder; with an id column, the answers an earlier attempt saved.
-    publisher = Publisher.start(spec)
+    publisher = Publisher.start(spec, submission_id)
     saved = publisher.find_saved()
     log_info("writing generation %s (%d saved file(s) of earlier attempts to resume from)", publisher.uri, len(saved))
 
@@ -278,24 +278,27 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     publisher.adopt_saved()
     rows_in = publisher.check(counted, written)
 
-    # 5. Publish: the table (all or nothing), then the manifest, then this task's older generations go.
+    # 5. Publish: the table (all or nothing), then the files to the prefix and the manifest, then older
+    # generations go.
     table_rows = publisher.commit_table(written)
     if table_rows is not None and spec.sink.table is not None:
         t = spec.sink.table
         log_info("output table %s: %d rows for run key %s", t.table, table_rows, t.run_key)
         failpoint("after_table_commit")
-    body = publisher.build_manifest(
-        submission_id=submission_id,
-        written=written,
-        rows_in=rows_in,
-        started_at=started_at,
-        wall_time_s=time.time() - started,
-        timeline=timeline,
-        details=engine.details(written),
-        versions={"ray": ray.__version__, **engine.versions()},
-        table_rows=table_rows or 0,
+    body = publisher.publish(
+        written,
+        lambda files: publisher.build_manifest(
+            submission_id=submission_id,
+            written=files,
+            rows_in=rows_in,
+            started_at=started_at,
+            wall_time_s=time.time() - started,
+            timeline=timeline,
+            details=engine.details(files),
+            versions={"ray": ray.__version__, **engine.versions()},
+            table_rows=table_rows or 0,
+        ),
     )
-    publisher.write_manifest(body)
     removed = publisher.remove_older()
     log_info(
         "published %s: %d rows in, %d out (%d resumed), %d error rows, tokens in/out %d/%d, %.1f s; older generations removed: %d",

@@ -87,3 +87,36 @@ def copy_file(source: str, target: str) -> None:
     parent = os.path.dirname(dst) if uri_scheme(target) == "file" else posixpath.dirname(dst)
     fs.create_dir(parent, recursive=True)
     fs.copy_file(src, dst)
+
+
+def list_top(uri: str) -> list[str]:
+    """The names of the files directly under ``uri`` (not in its subfolders)."""
+    fs, path = filesystem_for(uri)
+    selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
+    return sorted(posixpath.basename(i.path) for i in fs.get_file_info(selector) if i.type == pafs.FileType.File)
+
+
+def exists(uri: str) -> bool:
+    fs, path = filesystem_for(uri)
+    return bool(fs.get_file_info(path).type != pafs.FileType.NotFound)
+
+
+def delete_file(uri: str) -> None:
+    """One file, if it is there."""
+    fs, path = filesystem_for(uri)
+    if fs.get_file_info(path).type == pafs.FileType.File:
+        fs.delete_file(path)
+
+
+def move_file(source: str, target: str) -> None:
+    """One file to another place of the same store: a rename on local disks, a server-side copy and a delete
+    of the original on object stores (a reader of the target sees the whole file or none)."""
+    fs, src = filesystem_for(source)
+    _, dst = filesystem_for(target)
+    local = uri_scheme(target) == "file"
+    fs.create_dir(os.path.dirname(dst) if local else posixpath.dirname(dst), recursive=True)
+    if local:
+        os.replace(src, dst)
+        return
+    fs.copy_file(src, dst)
+    fs.delete_file(src)

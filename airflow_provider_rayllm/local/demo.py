@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from airflow_provider_rayllm.contract.names import MANIFEST_NAME
 from airflow_provider_rayllm.local import models
 from airflow_provider_rayllm.local.airflow_env import airflow_bin, airflow_env, migrate
 from airflow_provider_rayllm.local.cluster import LocalRayCluster
@@ -49,7 +50,9 @@ def run_demo(work: Path = WORK) -> dict:
     finally:
         cluster.stop()
         _say("stopped the local Ray head")
-    manifests = sorted(output_base.glob("example_vllm_batch/*/answer/manifest.json"), key=lambda p: p.stat().st_mtime)
+    manifests = sorted(
+        output_base.glob(f"example_vllm_batch/*/answer/{MANIFEST_NAME}"), key=lambda p: p.stat().st_mtime
+    )
     if not manifests:
         raise SystemExit(f"the DAG run wrote no manifest under {output_base}")
     manifest = json.loads(manifests[-1].read_text())

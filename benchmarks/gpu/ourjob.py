@@ -11,7 +11,7 @@
    operators/base.py), runtime_env {working_dir: package folder, worker_process_setup_hook, py_modules:
    [<repo>/airflow_provider_rayllm]} and metadata, like the operator; waits; stops the job at --deadline.
 5. Collects the job log (full in logs/<phase>.full.log, trimmed in logs/<phase>.log), the manifest
-   (the RAYLLM_MANIFEST line and manifest.json under the sink), the timeline from the log, GPU samples
+   (the RAYLLM_MANIFEST line and _manifest.json under the sink), the timeline from the log, GPU samples
    (gpu.csv), and checks afterwards that no process holds the GPU (leftovers are reported, then killed).
 6. For embeddings, compares 64 rows with sentence-transformers on the CPU (cosine similarity).
 """
@@ -175,7 +175,10 @@ def output_files(sink: str, manifest: dict | None) -> list[str]:
         files = sorted(
             f
             for f in glob.glob(os.path.join(root, "**", "*"), recursive=True)
-            if f.endswith((".parquet", ".jsonl", ".json")) and "/errors" not in f and not f.endswith("manifest.json")
+            if f.endswith((".parquet", ".jsonl", ".json"))
+            and "/errors" not in f
+            and not f.endswith("manifest.json")
+            and not any(part.startswith(("_", ".")) for part in os.path.relpath(f, root).split(os.sep)[:-1])
         )
         if files:
             return files
@@ -344,7 +347,7 @@ def main() -> int:
         tl.update(watch.marks())
         manifest = manifest_from_log(log)
         try:
-            with open(os.path.join(sink, contract_name("MANIFEST_NAME", "manifest.json"))) as f:
+            with open(os.path.join(sink, contract_name("MANIFEST_NAME", "_manifest.json"))) as f:
                 manifest_file = json.load(f)
         except (OSError, ValueError):
             manifest_file = None

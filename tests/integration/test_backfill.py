@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from tests.integration.helpers import read_rows, write_jsonl
@@ -193,7 +194,7 @@ def stack(ray_conn, test_home, service_logs, airflow_database):
 def _manifests(output_base: Path) -> dict[str, dict]:
     """Each published manifest under the DAG's prefix, by logical date (from the run id)."""
     found = {}
-    for path in sorted((output_base / DAG_ID).glob("*/answer/manifest.json")):
+    for path in sorted((output_base / DAG_ID).glob("*/answer/_manifest.json")):
         manifest = json.loads(path.read_text())
         run = path.parent.parent.name
         day = next(d for d in DATES if d in run)
@@ -275,7 +276,8 @@ def test_a_second_backfill_over_the_same_dates_replaces_never_duplicates(first_b
         rows = read_rows(manifest["output_files"])
         assert sorted(r["id"] for r in rows) == [f"{day}-{i}" for i in range(5)], "replaced, not appended"
         generations = Path(manifest["output_uri"]) / "_generations"
-        assert sorted(p.name for p in generations.iterdir()) == [manifest["generation"]]
+        assert not list(generations.iterdir()), "the published generation's files moved to the prefix"
+        assert pq.read_table(manifest["output_uri"]).num_rows == 5, "the prefix reads as this date's rows once"
     # A finished run run again computes its rows again (its input may have changed): the id column
     # resumes only attempts that never published.
     import urllib.request

@@ -99,7 +99,7 @@ def test_gcs_in_s3_out_with_connection_credentials(bucket_run, buckets):
     assert_succeeded(dag_run, "generate")
     manifest = xcom(dag_run.dag_id, dag_run.run_id, "generate", "return_value")
     assert manifest["rows_in"] == manifest["rows_out"] == len(QUESTIONS)
-    assert all(f["uri"].startswith("s3://answers/runs/2026-05-01/_generations/") for f in manifest["output_files"])
+    assert all(f["uri"].startswith("s3://answers/runs/2026-05-01/part-") for f in manifest["output_files"])
     rows = []
     for f in manifest["output_files"]:
         key = f["uri"].removeprefix("s3://answers/")
@@ -109,7 +109,7 @@ def test_gcs_in_s3_out_with_connection_credentials(bucket_run, buckets):
     assert sorted(r["id"] for r in rows) == list(range(len(QUESTIONS)))
     assert all(r["response"].strip() for r in rows)
     published = json.loads(
-        buckets["s3"].get_object(Bucket="answers", Key="runs/2026-05-01/manifest.json")["Body"].read()
+        buckets["s3"].get_object(Bucket="answers", Key="runs/2026-05-01/_manifest.json")["Body"].read()
     )
     assert published["submission_id"] == manifest["submission_id"]
 
@@ -162,7 +162,7 @@ def test_jsonl_glob_from_s3_to_jsonl_on_gcs_and_partitioned_csv_from_gcs_to_s3(r
     assert manifest["rows_in"] == manifest["rows_out"] == 6
     rows = []
     for f in manifest["output_files"]:
-        assert f["uri"].startswith("gs://formats-out/jsonl/_generations/") and f["uri"].endswith(".jsonl")
+        assert f["uri"].startswith("gs://formats-out/jsonl/part-") and f["uri"].endswith(".jsonl")
         text = out_bucket.blob(f["uri"].removeprefix("gs://formats-out/")).download_as_text()
         rows += [json.loads(line) for line in text.splitlines() if line.strip()]
     assert sorted(r["id"] for r in rows) == [0, 1, 2, 10, 11, 12]
@@ -215,6 +215,11 @@ def test_jsonl_glob_from_s3_to_jsonl_on_gcs_and_partitioned_csv_from_gcs_to_s3(r
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket="formats", Prefix="csv-out/")["Contents"]]
     # (pyarrow leaves empty "folder" marker objects such as ".../_generations/"; they name no generation)
     generations = {k.split("/_generations/")[1].split("/")[0] for k in keys if "/_generations/" in k} - {""}
-    assert generations == {again["generation"]}, "the older generation is removed once the new manifest is in place"
-    published = json.loads(s3.get_object(Bucket="formats", Key="csv-out/manifest.json")["Body"].read())
+    assert generations == set(), "the published and the older generation are removed once the new manifest is in place"
+    names = [k.removeprefix("csv-out/") for k in keys]
+    visible = {f"csv-out/{n}" for n in names if n and "/" not in n and not n.startswith(("_", "."))}
+    assert visible == {f["uri"].removeprefix("s3://formats/") for f in again["output_files"]}, (
+        "only the new rows are visible"
+    )
+    published = json.loads(s3.get_object(Bucket="formats", Key="csv-out/_manifest.json")["Body"].read())
     assert published["submission_id"] == again["submission_id"]

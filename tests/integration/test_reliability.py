@@ -15,6 +15,7 @@ import time
 import urllib.request
 
 import psutil
+import pyarrow.parquet as pq
 import pytest
 
 from tests.integration.helpers import (
@@ -142,7 +143,7 @@ def test_a_restarted_head_is_job_lost_and_the_retry_runs_a_new_job(restartable_c
     seconds_to_fail = time.time() - restarted
     error = outcome.get("error")
     assert isinstance(error, RayJobLost) and "job lost" in str(error), f"expected a lost job, got {outcome}"
-    assert not (test_home / "out" / "lost" / "manifest.json").exists()
+    assert not (test_home / "out" / "lost" / "_manifest.json").exists()
 
     # Airflow's retry: the same task instance, next try. The cluster forgot the old job, so it is submitted anew.
     retry_ti = StandInTI("reliability", "manual__lost", "lost", try_number=2)
@@ -169,7 +170,7 @@ def test_a_restarted_head_is_job_lost_and_the_retry_runs_a_new_job(restartable_c
     with pytest.raises(RayJobFailed, match="above max_error_fraction=0.0; nothing was published"):
         rerun.execute({"ti": rerun_ti, "dag_run": ClearedRun(1)})
     assert rerun_ti.xcom["submission_id"].endswith("-g0"), "the fresh cluster numbers its jobs from 0 again"
-    published = json.loads((test_home / "out" / "lost" / "manifest.json").read_text())
+    published = json.loads((test_home / "out" / "lost" / "_manifest.json").read_text())
     assert published["submission_id"] == manifest["submission_id"]
     kept = sorted(r["id"] for r in read_rows(published["output_files"]))
     assert kept == list(range(n)), "the published output is whole after the failed rerun"
@@ -217,7 +218,7 @@ def test_a_crash_between_the_table_and_the_manifest_is_repaired_by_the_retry(ray
     with pytest.raises(RayJobFailed):
         op(job_runtime_env={"env_vars": {FAILPOINT_ENV: "after_table_commit"}}).execute({"ti": ti})
     assert "failpoint after_table_commit" in RayJobHook().get_job_logs(ti.xcom["submission_id"])
-    assert not (output_uri / "manifest.json").exists()
+    assert not (output_uri / "_manifest.json").exists()
     crashed = table_rows()
     crashed_generations = {g for _, g, _ in crashed}
     assert len(crashed) == n and len(crashed_generations) == 1, "the table was committed before the crash"
@@ -240,35 +241,73 @@ def test_a_crash_between_the_table_and_the_manifest_is_repaired_by_the_retry(ray
     )
 
 
-def test_two_runs_into_one_prefix_each_publish_whole_and_delete_nothing_of_the_other(ray_conn, echo, test_home):
+def test_two_runs_into_one_prefix_at_once_both_publish_and_the_prefix_reads_as_the_published_one(
+    ray_conn, echo, test_home
+):
     """Two task instances (run ids that an ASCII mapping would merge) write one fixed output_uri at the same
-    time: both finish, each manifest it returned names a folder that still exists and holds its own rows,
-    and the manifest left published is one of them, whole."""
+    time: both finish (neither publish removes the other's generation while its lease is fresh), and the
+    prefix reads as the manifest left published, whole."""
     n = 24
-    output_uri = str(test_home / "out" / "shared-prefix")
+    prefix = test_home / "out" / "shared-prefix"
     runs = {}
     for run_id, word in (("manual__résumé", "first"), ("manual__rösümé", "second")):
-        op = _http_op("shared", _rows(test_home, word, n), output_uri)
+        op = _http_op("shared", _rows(test_home, word, n), str(prefix))
         ti = StandInTI("reliability", run_id, "shared")
         runs[word] = run_in_thread(op, ti)
     for thread, _ in runs.values():
         thread.join(timeout=300)
-    published = json.loads((test_home / "out" / "shared-prefix" / "manifest.json").read_text())
+    published = json.loads((prefix / "_manifest.json").read_text())
     for word, (_, outcome) in runs.items():
         assert "error" not in outcome, f"{word}: {outcome.get('error')}"
-        mine = outcome["result"]
-        rows = read_rows(mine["output_files"])
-        assert sorted(r["id"] for r in rows) == list(range(n))
-        assert all(r["response"] == f"echo: {word} row {r['id']}" for r in rows), "each folder holds its own rows"
+        assert outcome["result"]["rows_out"] == n and outcome["result"]["rows_errored"] == 0
     assert runs["first"][1]["result"]["generation"] != runs["second"][1]["result"]["generation"]
-    assert published["submission_id"] in {o["result"]["submission_id"] for _, o in runs.values()}
-    assert sorted(r["id"] for r in read_rows(published["output_files"])) == list(range(n))
+    (winner,) = [w for w, (_, o) in runs.items() if o["result"]["submission_id"] == published["submission_id"]]
+    rows = read_rows(published["output_files"])
+    assert sorted(r["id"] for r in rows) == list(range(n)), "the published manifest's files are there, whole"
+    assert all(r["response"] == f"echo: {winner} row {r['id']}" for r in rows)
+    table = pq.read_table(str(prefix)).to_pylist()
+    assert sorted(r["id"] for r in table if r["response"].startswith(f"echo: {winner} ")) == list(range(n))
+    # Exactly the published rows, unless the two publishes overlapped to the millisecond: then each kept the
+    # other's files (never a manifest naming a deleted file) until the next publish.
+    assert len(table) in (n, 2 * n)
+    assert (prefix / "_SUCCESS").exists()
     record_figure(
         "shared_prefix",
         runs=2,
         rows_each=n,
-        generations_left=len(list((test_home / "out" / "shared-prefix" / "_generations").iterdir())),
-        published_rows=len(read_rows(published["output_files"])),
+        generations_left=len(list((prefix / "_generations").iterdir())),
+        published_rows=len(rows),
+        rows_read_from_the_prefix=len(table),
+    )
+
+
+def test_three_runs_of_one_date_under_new_run_ids_read_as_one_answer(ray_conn, echo, test_home):
+    """The new user's sequence: a DAG whose output_uri is ``.../{{ ds }}`` run three times for one date under
+    new run ids (``dag.test()``, a manual trigger, a second backfill), each with a changed prompt. A plain
+    folder reader of the prefix reads the third run's 10 rows, not 30."""
+    n = 10
+    prefix = test_home / "out" / "reviews" / "2026-12-01"
+    input_uri = _rows(test_home, "reviews", n)
+    run_ids = ("manual__2026-12-01T10:00:00", "manual__2026-12-01T11:00:00", "backfill__2026-12-01T00:00:00")
+    manifests = []
+    for take, run_id in enumerate(run_ids, 1):
+        op = _http_op("answer", input_uri, str(prefix), prompt_column=None, prompt_template=f"take {take}: {{prompt}}")
+        manifests.append(op.execute({"ti": StandInTI("reviews", run_id, "answer")}))
+        assert manifests[-1]["rows_out"] == n
+    table = pq.read_table(str(prefix))
+    assert table.num_rows == n, f"{table.num_rows} rows read from the prefix for {n} input rows"
+    assert sorted(table.column("response").to_pylist()) == sorted(f"echo: take 3: reviews row {i}" for i in range(n))
+    assert (prefix / "_SUCCESS").exists()
+    published = json.loads((prefix / "_manifest.json").read_text())
+    assert published["submission_id"] == manifests[-1]["submission_id"]
+    visible = {str(p) for p in prefix.iterdir() if not p.name.startswith(("_", "."))}
+    assert visible == {f["uri"] for f in published["output_files"]}, "nothing visible but the published files"
+    record_figure(
+        "three_runs_one_prefix",
+        runs=len(run_ids),
+        input_rows=n,
+        rows_read_from_the_prefix=table.num_rows,
+        success_marker=(prefix / "_SUCCESS").exists(),
     )
 
 
@@ -437,7 +476,7 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
         )
     failed_generation = output_uri / "second" / "_generations"
     partial = sorted(p.name for p in failed_generation.iterdir()) if failed_generation.exists() else []
-    assert not (output_uri / "second" / "manifest.json").exists(), "a failed generation must not be published"
+    assert not (output_uri / "second" / "_manifest.json").exists(), "a failed generation must not be published"
     post = urllib.request.Request(
         f"{echo}/fail", data=json.dumps({"status": 0}).encode(), headers={"Content-Type": "application/json"}
     )
@@ -446,9 +485,10 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
         {"ti": StandInTI("reliability", "manual__retry2", "retry", try_number=2)}
     )
     assert retried["submission_id"].endswith("-g1") and retried["rows_out"] == n and retried["rows_errored"] == 0
-    published = json.loads((output_uri / "second" / "manifest.json").read_text())
+    published = json.loads((output_uri / "second" / "_manifest.json").read_text())
     assert published["submission_id"] == retried["submission_id"]
-    assert sorted(p.name for p in failed_generation.iterdir()) == [retried["generation"]]
+    # Published: the failed attempt's folder and the retry's own (its files moved to the prefix) are gone.
+    assert not list(failed_generation.iterdir())
     ids = [r["id"] for r in read_rows(retried["output_files"])]
     assert sorted(ids) == list(range(n))
     record_figure(
@@ -478,7 +518,7 @@ def test_a_stopped_job_run_again_does_not_recompute_finished_rows(ray_conn, echo
     wait_for(lambda: hook.get_job_info(sid)["status"] == "STOPPED", 30, "the job to be STOPPED")
     thread.join(timeout=60)
     assert "ended STOPPED" in str(outcome.get("error"))
-    assert not (output_uri / "manifest.json").exists(), "a stopped job publishes nothing"
+    assert not (output_uri / "_manifest.json").exists(), "a stopped job publishes nothing"
     sent_by_first = _stats(echo)["requests"]
     (stopped_generation,) = (output_uri / "_generations").iterdir()
     saved = [r["id"] for r in read_rows([{"uri": str(p)} for p in (stopped_generation / "outputs").glob("*.parquet")])]
@@ -501,7 +541,8 @@ def test_a_stopped_job_run_again_does_not_recompute_finished_rows(ray_conn, echo
     assert not recomputed, f"rows finished before the stop were sent again: {recomputed}"
     never_sent = [i for i in range(n) if f"resume row {i}" not in sent_by_first]
     assert all(requests[f"resume row {i}"] == 1 for i in never_sent)
-    assert sorted(p.name for p in (output_uri / "_generations").iterdir()) == [manifest["generation"]]
+    assert not list((output_uri / "_generations").iterdir()), "the stopped attempt's folder went with the publish"
+    assert pq.read_table(str(output_uri)).num_rows == n, "the prefix reads as the published rows, resumed ones once"
     record_figure(
         "resume",
         rows=n,

@@ -241,7 +241,7 @@ def test_bad_configuration_fails_before_any_engine_starts(
     conf = {"model_source": str(smollm2), "input_uri": input_uri, "output_uri": str(output_uri), **overrides}
     error = _failed_job(hook, dag, conf, utc(2026, 4, day))
     assert expected in error
-    assert not (output_uri / "manifest.json").exists()
+    assert not (output_uri / "_manifest.json").exists()
 
 
 def test_the_drivers_preflight_refuses_each_bad_engine_setting(ray_conn, smollm2, test_home):

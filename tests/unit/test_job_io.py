@@ -23,6 +23,10 @@ def test_folder_glob_and_file(tmp_path):
     assert source_files.expand(FileSource(uris=[str(tmp_path / "in")])) == [str(a), str(b)]
     assert source_files.expand(FileSource(uris=[str(tmp_path / "in" / "*" / "*.parquet")])) == [str(a), str(b)]
     assert source_files.expand(FileSource(uris=[str(a)])) == [str(a)]
+    # A published prefix of ours as the input: files under hidden folders are skipped too.
+    touch(tmp_path / "in" / "_errors" / "part-x.parquet")
+    touch(tmp_path / "in" / "_generations" / "g" / "outputs" / "part-y.parquet")
+    assert source_files.expand(FileSource(uris=[str(tmp_path / "in")])) == [str(a), str(b)]
 
 
 def test_missing_inputs_are_named(tmp_path):
@@ -43,11 +47,11 @@ def test_format_from_files_found(tmp_path):
 
 
 def test_manifest_write_is_atomic_and_readable(tmp_path):
-    target = str(tmp_path / "out" / "manifest.json")
+    target = str(tmp_path / "out" / "_manifest.json")
     filesystems.write_text_atomic(target, '{"a": 1}')
     filesystems.write_text_atomic(target, '{"a": 2}')
     assert filesystems.read_json(target) == {"a": 2}
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["manifest.json"], "no temp file is left behind"
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["_manifest.json"], "no temp file is left behind"
     assert filesystems.read_json(str(tmp_path / "missing.json")) is None
 
 
@@ -95,6 +99,7 @@ def test_each_attempt_gets_a_generation_of_its_own_and_only_this_task_instances_
     )
     for g in (first, second, other_ti):
         touch(tmp_path / "run" / "_generations" / g.name / "outputs" / "part.parquet")
+    generations.write_lease(out, other_ti.name, "other")  # another task instance's writer, alive
     touch(tmp_path / "run" / "_generations" / "not-a-generation" / "x")
     assert [g.name for g in generations.unpublished_earlier(out, second, None)] == [first.name]
     assert generations.unpublished_earlier(out, second, first.name) == [], "nothing before or at the published one"

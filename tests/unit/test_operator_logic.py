@@ -367,7 +367,7 @@ def test_output_link_points_at_a_console_only_for_real_buckets(uri, custom, expe
 
 def _manifest(outputs_folder):
     return {
-        "output_uri": outputs_folder.rsplit("/_generations", 1)[0],
+        "output_uri": outputs_folder,
         "outputs_folder": outputs_folder,
         "rows_in": 2,
         "rows_out": 2,
@@ -383,9 +383,7 @@ def test_publish_pushes_the_console_link_unless_the_bucket_is_behind_a_custom_en
     from airflow_provider_rayllm.links import OUTPUT_URL_XCOM
 
     ti = Ti()
-    operator(output_uri="s3://answers/daily").publish(
-        {"ti": ti}, _manifest("s3://answers/daily/_generations/g0/outputs")
-    )
+    operator(output_uri="s3://answers/daily").publish({"ti": ti}, _manifest("s3://answers/daily"))
     assert ti.xcom[OUTPUT_URL_XCOM].startswith("https://s3.console.aws.amazon.com/s3/buckets/answers?prefix=daily")
     monkeypatch.setenv(
         "AIRFLOW_CONN_MINIO",
@@ -394,11 +392,9 @@ def test_publish_pushes_the_console_link_unless_the_bucket_is_behind_a_custom_en
         ),
     )
     ti = Ti()
-    operator(output_uri="s3://answers/daily", aws_conn_id="minio").publish(
-        {"ti": ti}, _manifest("s3://answers/daily/_generations/g0/outputs")
-    )
+    operator(output_uri="s3://answers/daily", aws_conn_id="minio").publish({"ti": ti}, _manifest("s3://answers/daily"))
     # Pushed empty: Airflow reads each extra link's key at the end of the task and logs an error for a missing one.
-    assert ti.xcom[OUTPUT_URL_XCOM] == "" and ti.xcom["outputs_folder"].endswith("/outputs")
+    assert ti.xcom[OUTPUT_URL_XCOM] == "" and ti.xcom["outputs_folder"] == "s3://answers/daily"
 
 
 def test_a_serve_deployment_replaces_the_engine_section(tmp_path):

@@ -1,21 +1,53 @@
-"""One attempt's output, from its folder to the published manifest, in the steps the driver calls in order:
+"""One attempt's output, from its folder to the published prefix, in the steps the driver calls in order:
 
-    Publisher.start -> find_saved -> (the stream writes into outputs_folder and errors_folder)
-    -> adopt_saved -> check -> commit_table -> write_manifest (last) -> remove_older
+    Publisher.start (the lease) -> find_saved -> (the stream writes into the generation's outputs and errors)
+    -> adopt_saved -> check -> commit_table -> publish -> remove_older
 
-Nothing is published before ``check`` passes; the manifest, written after the outputs and the table, is
-what makes the generation the published one; only then do this task instance's older generations go.
+Nothing is published before ``check`` passes. The table commits from the generation's files. Then
+``publish`` lays the output out for plain folder readers, which skip names that begin with ``_`` or ``.``::
+
+    <prefix>/part-<gen short>-NNNNN.parquet|jsonl   the published rows (nothing else visible)
+    <prefix>/_manifest.json                         what is published, written after the files are in place
+    <prefix>/_SUCCESS                               empty, written last
+    <prefix>/_errors/part-<gen short>-NNNNN.*       the published error rows
+    <prefix>/_generations/<generation>/             attempts in flight, each with its lease
+
+in this order: (1) ``_SUCCESS`` goes; (2) the generation's files move to the top level and to ``_errors/``
+under names no other generation's files have (its short id); (3) ``_manifest.json`` names them; (4) data
+files that the manifest does not name go (an earlier publish's, or leftovers of a crash); (5) ``_SUCCESS``
+is written; then ``remove_older`` removes this generation's emptied folder, this task instance's older
+ones and any other task instance's whose lease expired.
+
+A crash before (3) leaves the old manifest with all its files (and maybe this generation's files beside
+them, unnamed, with no ``_SUCCESS``); a crash after (3) leaves the new manifest with all its files. Either
+way the manifest never names a missing file, and the next publish's step (4) removes what is left over.
+Step (4) leaves the files of another task instance's generation whose lease says it is publishing now:
+two publishes into one prefix at the same moment leave each other's files until the next one, never a
+manifest naming a deleted file. A writer that died while publishing stops renewing its lease, and after
+``generations.PUBLISH_GRACE_S`` its files are leftovers like any other.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import posixpath
+import re
+from typing import Any, Callable
 
+from airflow_provider_rayllm.contract.names import ERRORS_DIR, SUCCESS_MARKER
 from airflow_provider_rayllm.contract.spec import JobSpec
 from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.publish import generations, manifest, resume
+from airflow_provider_rayllm.job.publish.lease import Lease
 from airflow_provider_rayllm.job.sinks.files import ERRORS, OUTPUTS
+
+log = logging.getLogger("airflow_provider_rayllm.job")
+
+# A published data file: part-<generation short id>-<number>.<format>.
+PART = re.compile(r"^part-(?P<short>[0-9a-f]{10})-\d{5}\.(parquet|jsonl)$")
+# The manifest's name before it was hidden: a prefix published then is cleaned by the next publish.
+LEGACY_MANIFEST = "manifest.json"
 
 
 def check_counts(counted: dict[str, Any], written: dict[str, Any], adopted_rows: int) -> None:
@@ -43,22 +75,30 @@ def check_error_fraction(errors: int, rows: int, limit: float, errors_folder: st
         )
 
 
+def published_name(short: str, i: int, uri: str) -> str:
+    return f"part-{short}-{i:05d}{posixpath.splitext(uri)[1]}"
+
+
 class Publisher:
     """This attempt's generation folder (its outputs and errors folders) and the steps that publish it."""
 
-    def __init__(self, spec: JobSpec, generation: generations.Generation):
-        self.spec, self.generation = spec, generation
+    def __init__(self, spec: JobSpec, generation: generations.Generation, lease: Lease | None = None):
+        self.spec, self.generation, self.lease = spec, generation, lease
         self.output_uri = spec.sink.uri
         self.uri = generations.generation_uri(self.output_uri, generation.name)
+        # Where the stream writes; ``publish`` moves the files to the published folders.
         self.outputs_folder = filesystems.join(self.uri, OUTPUTS)
         self.errors_folder = filesystems.join(self.uri, ERRORS)
+        self.published_errors = filesystems.join(self.output_uri, ERRORS_DIR)
         self.saved: list[str] = []
         self.adopted: list[dict[str, Any]] = []
 
     @classmethod
-    def start(cls, spec: JobSpec) -> Publisher:
-        """A new generation for this attempt (a folder name no other attempt has)."""
-        return cls(spec, generations.start(spec))
+    def start(cls, spec: JobSpec, submission_id: str = "") -> Publisher:
+        """A new generation for this attempt (a folder name no other attempt has), and its lease."""
+        generation = generations.start(spec)
+        lease = Lease(spec.sink.uri, generation.name, submission_id).start()
+        return cls(spec, generation, lease)
 
     def find_saved(self) -> list[str]:
         """With an id column: the output files this run's earlier, unpublished attempts saved (resume)."""
@@ -120,8 +160,8 @@ class Publisher:
             spec=self.spec,
             submission_id=submission_id,
             generation=self.generation.name,
-            outputs_folder=self.outputs_folder,
-            errors_folder=self.errors_folder,
+            outputs_folder=self.output_uri,
+            errors_folder=self.published_errors,
             written=written,
             rows_in=rows_in,
             rows_resumed=self.adopted_rows,
@@ -133,10 +173,84 @@ class Publisher:
             table_rows=table_rows,
         )
 
+    def publish(self, written: dict[str, Any], build: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+        """Steps (1) to (5) of the module's docstring; ``build`` makes the manifest's body from ``written``
+        once its files are at their published places. Returns the body."""
+        self.check_names_free(written)
+        self.clear_success()
+        self.move_into_place(written)
+        body = build(written)
+        self.write_manifest(body)
+        self.remove_unlisted(body)
+        self.mark_success()
+        return body
+
+    def _targets(self, files: list[dict[str, Any]], folder: str) -> list[str]:
+        return [
+            filesystems.join(folder, published_name(self.generation.short, i, f["uri"])) for i, f in enumerate(files)
+        ]
+
+    def check_names_free(self, written: dict[str, Any]) -> None:
+        """No published name of this generation is taken (a short id shared with another generation)."""
+        taken = set(filesystems.list_top(self.output_uri)) | set(filesystems.list_top(self.published_errors))
+        mine = self._targets(written["output_files"], self.output_uri)
+        mine += self._targets(written["error_files"], self.published_errors)
+        clash = sorted(posixpath.basename(t) for t in mine if posixpath.basename(t) in taken)
+        if clash:
+            raise JobError(
+                f"publish: file name(s) {clash[:3]} are already under {self.output_uri}; nothing was published"
+            )
+
+    def clear_success(self) -> None:
+        """(1) The lease says this generation is publishing; the prefix is no longer marked complete."""
+        if self.lease is not None:
+            self.lease.begin_publish()
+        else:
+            generations.write_lease(self.output_uri, self.generation.name, "", publishing=True)
+        filesystems.delete_file(filesystems.join(self.output_uri, SUCCESS_MARKER))
+
+    def move_into_place(self, written: dict[str, Any]) -> None:
+        """(2) The output files to the top level, the error files to ``_errors/``; ``written`` names them
+        at their new places (in place)."""
+        for key, folder in (("output_files", self.output_uri), ("error_files", self.published_errors)):
+            moved = []
+            for f, target in zip(written[key], self._targets(written[key], folder)):
+                filesystems.move_file(f["uri"], target)
+                moved.append({**f, "uri": target})
+            written[key] = moved
+
     def write_manifest(self, body: dict[str, Any]) -> None:
-        """Publish: written last, after the outputs and the table."""
+        """(3) Publish: the manifest names the files now in place."""
         manifest.publish(self.output_uri, body)
 
+    def remove_unlisted(self, body: dict[str, Any], now: float | None = None) -> list[str]:
+        """(4) Data files the manifest does not name go, except those of another task instance's generation
+        publishing at this moment. Returns what went."""
+        listed = {f["uri"] for f in body["output_files"] + body["error_files"]}
+        live = {g.short for g in generations.publishing(self.output_uri, self.generation, now)}
+        removed = []
+        candidates = [(self.output_uri, n, False) for n in filesystems.list_top(self.output_uri)]
+        candidates += [(self.published_errors, n, True) for n in filesystems.list_top(self.published_errors)]
+        for folder, name, in_errors in candidates:
+            uri = filesystems.join(folder, name)
+            part = PART.match(name)
+            if uri in listed or (part is not None and part["short"] in live):
+                continue
+            if part is not None or in_errors or name == LEGACY_MANIFEST:
+                filesystems.delete_file(uri)
+                removed.append(uri)
+            elif not name.startswith(("_", ".")):
+                log.warning("%s is not a file of ours; left in place (folder readers will read it)", uri)
+        return removed
+
+    def mark_success(self) -> None:
+        """(5) The prefix is complete."""
+        filesystems.write_bytes_atomic(filesystems.join(self.output_uri, SUCCESS_MARKER), b"")
+
     def remove_older(self) -> list[str]:
-        """After the publish: this task instance's older generations go."""
+        """After the publish: this generation's emptied folder (its lease stopped first), this task instance's
+        older generations and other task instances' whose lease expired. Returns the latter two."""
+        if self.lease is not None:
+            self.lease.stop()
+        filesystems.delete_dir(self.uri)
         return generations.remove_older(self.output_uri, self.generation)

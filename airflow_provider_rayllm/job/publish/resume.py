@@ -3,8 +3,9 @@ not sent again.
 
 The output files an attempt writes as it goes are its checkpoints. The next attempt of the same task
 instance and settings lists those files; the request step (one actor, see ``requests.ids.IdGate``) reads
-their ids and drops the matching input rows; the publish step copies the files into the new
-generation, so the published output has every row once. Error rows are not kept: a retry tries them
+their ids and drops the matching input rows; before the checks, the files are copied into the new
+generation's outputs, and its publish moves them to the prefix with its own: the published output has
+every row once. Error rows are not kept: a retry tries them
 again. Copies carry the prefix ``ADOPTED`` and are never read as checkpoints themselves (their
 originals are, for as long as those exist).
 """

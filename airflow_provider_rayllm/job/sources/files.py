@@ -23,6 +23,10 @@ def _has_glob(path: str) -> bool:
     return any(ch in path for ch in "*?[")
 
 
+def _hidden(relative: str) -> bool:
+    return any(part.startswith(("_", ".")) for part in relative.split("/"))
+
+
 def expand(source: FileSource) -> list[str]:
     """Every input file, in a stable order; a clear error when a path matches nothing."""
     files: list[str] = []
@@ -52,11 +56,13 @@ def expand(source: FileSource) -> list[str]:
         if info.type == pafs.FileType.NotFound:
             raise JobError(f"source.uris: {uri!r} does not exist")
         if info.type == pafs.FileType.Directory:
+            # Hidden names, files or folders, are skipped as folder readers skip them: a published prefix
+            # of ours reads as its output rows (not _errors/, _generations/, _manifest.json, _SUCCESS).
             selector = pafs.FileSelector(path, recursive=True)
             inner = sorted(
                 prefix + i.path
                 for i in fs.get_file_info(selector)
-                if i.type == pafs.FileType.File and not posixpath.basename(i.path).startswith(("_", "."))
+                if i.type == pafs.FileType.File and not _hidden(posixpath.relpath(i.path, path))
             )
             if not inner:
                 raise JobError(f"source.uris: folder {uri!r} holds no data files")
