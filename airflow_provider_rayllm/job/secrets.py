@@ -180,7 +180,7 @@ def _jobs() -> list[Any]:
     """The cluster's submitted jobs with their details (Ray's state API)."""
     from ray.util.state import list_jobs
 
-    return list_jobs(limit=100_000, detail=True, raise_on_missing_output=False)
+    return list_jobs(limit=10_000, detail=True, raise_on_missing_output=False)  # the API server's largest page
 
 
 def _active(job: Any) -> bool:

@@ -54,7 +54,7 @@ def test_the_readmes_first_dag_runs_as_written(tmp_path, smollm2):
         subprocess.run(["pkill", "-f", f"{home}/.cache/airflow_provider_rayllm"], check=False)
     log = Path("/tmp/first-dag.log").read_text()
     assert proc.returncode == 0, out[-3000:] + "\n--- dags test log ---\n" + log[-6000:]
-    finished = [line for line in out.splitlines() if "Finished:" in line]
+    finished = [line for line in out.splitlines() if "] Finished: " in line]
     assert finished and "3 rows in, 3 out" in finished[-1], out[-3000:]
     assert "s3://rayllm-demo/first-dag/2026-12-01" in finished[-1]
     assert [line for line in out.splitlines() if "Progress:" in line], "progress lines while it ran"

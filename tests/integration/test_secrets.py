@@ -233,5 +233,6 @@ def test_secrets_a_killed_driver_left_are_removed_by_the_next_job(ray_conn, endp
         {"ti": next_ti}
     )
     assert manifest["rows_out"] == len(rows)
-    assert _files_holding_canaries(info) == [], f"left on the nodes after the next job: {left}"
+    said = [line for line in hook.get_job_logs(next_ti.xcom["submission_id"]).splitlines() if "secrets" in line]
+    assert _files_holding_canaries(info) == [], f"left on the nodes after the next job: {left}; its log: {said}"
     assert _store_holding_canaries(info)["found"] == [], "left in the store after the next job"
