@@ -84,6 +84,10 @@ class Faulty:
             return web.json_response({"error": {"message": "max_tokens is too large"}}, status=400)
         if mode == "garbage":
             return web.Response(status=200, text="<html>not json</html>")
+        if mode == "not-utf8":
+            return web.Response(status=200, body=b'{"choices": "\xff\xfe"}', content_type="application/json")
+        if mode == "huge":
+            return web.Response(status=200, body=b" " * 5000 + b"{}", content_type="application/json")
         if mode == "slow" and n == 1:
             await asyncio.sleep(2)
         return web.json_response(
@@ -207,3 +211,15 @@ async def test_rate_limiter_keeps_the_gap_even_when_the_loop_wakes_late():
     await asyncio.gather(*(one() for _ in range(6)))
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert min(gaps) >= 0.099, gaps
+
+
+@pytest.mark.asyncio
+async def test_a_body_over_the_cap_or_not_utf8_is_an_error_row_for_that_row_only(server):
+    """Each of them is the row's error; the rows beside them in the same batch are answered."""
+    _, url = server
+    async with client(url, max_response_bytes=4096) as c:
+        results = await asyncio.gather(c.call({"mode": "huge"}), c.call({"mode": "not-utf8"}), c.call({"mode": "fine"}))
+    huge, not_utf8, fine = results
+    assert not huge.ok and "response body over 4096 bytes" in huge.error
+    assert not not_utf8.ok and "not valid utf-8" in not_utf8.error
+    assert fine.ok and fine.body["choices"][0]["message"]["content"] == "ok fine"

@@ -1,6 +1,7 @@
 """Rows become requests; a row that cannot be prompted becomes an error, not a crash."""
 
 import json
+import time
 
 import pytest
 
@@ -175,7 +176,7 @@ def test_an_image_url_is_fetched_with_a_cap_and_never_from_the_clusters_own_netw
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        with pytest.raises(ValueError, match="loopback, link-local or private"):
+        with pytest.raises(ValueError, match="not a public address"):
             image_url(f"{base}/cat.png")
         with pytest.raises(ValueError, match="169.254.169.254"):
             image_url("http://169.254.169.254/latest/meta-data/")
@@ -185,6 +186,97 @@ def test_an_image_url_is_fetched_with_a_cap_and_never_from_the_clusters_own_netw
             image_url(f"{base}/big.png", max_bytes=1000, allow_private=True)
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("address", ["100.64.0.1", "100.100.100.200", "192.0.2.7", "10.1.2.3", "[::1]"])
+def test_only_globally_routable_addresses_are_fetched(address):
+    """Shared (100.64.0.0/10, where one cloud keeps its metadata endpoint at 100.100.100.200), documentation
+    and private ranges are refused as loopback is, before any connection."""
+    from airflow_provider_rayllm.job.requests.images import image_url
+
+    with pytest.raises(ValueError, match="not a public address"):
+        image_url(f"http://{address}/cat.png")
+
+
+def _dripping_server(interval_s: float):
+    """A server that answers at once and then sends its body one byte every ``interval_s``."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+            try:
+                for _ in range(100000):
+                    conn.sendall(b"x")
+                    time.sleep(interval_s)
+            except OSError:
+                pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener
+
+
+def test_a_server_that_drips_one_byte_at_a_time_is_an_error_row_in_bounded_time(monkeypatch):
+    from airflow_provider_rayllm.job.requests import images
+
+    monkeypatch.setattr(images, "FETCH_DEADLINE_S", 1.5)
+    listener = _dripping_server(0.05)
+    started = time.monotonic()
+    try:
+        with pytest.raises(ValueError, match="took longer than 2 s"):
+            images.image_url(f"http://127.0.0.1:{listener.getsockname()[1]}/cat.png", allow_private=True)
+    finally:
+        listener.close()
+    assert time.monotonic() - started < 5
+
+
+def test_the_fetch_connects_to_the_address_it_checked(monkeypatch):
+    """The host is resolved once: a second lookup that answers another address (DNS rebinding) is never made."""
+    import base64
+    import http.server
+    import socket
+    import threading
+
+    from airflow_provider_rayllm.job.requests.images import image_url
+
+    data = _png()
+
+    class Serve(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            assert self.headers["Host"].startswith("images.example.test")
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Serve)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    answers = iter(["127.0.0.1", "10.9.9.9"])
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kwargs):
+        if host != "images.example.test":  # an address (the connection's own lookup of a literal)
+            return real(host, *args, **kwargs)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (next(answers), port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    try:
+        fetched = image_url(f"http://images.example.test:{port}/cat.png", allow_private=True)
+    finally:
+        server.shutdown()
+    assert fetched == "data:image/png;base64," + base64.b64encode(data).decode()
+    assert next(answers) == "10.9.9.9", "resolved once"
 
 
 def test_an_endless_file_is_an_error_not_an_out_of_memory():

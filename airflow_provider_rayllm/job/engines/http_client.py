@@ -76,6 +76,11 @@ class CallResult:
     seconds: float
 
 
+# The largest response body a row may get (an error row above it, for that row only): a chat answer or
+# one embedding is kilobytes; a server that streams without end must not fill the caller's memory.
+MAX_RESPONSE_BYTES = 16 << 20
+
+
 class EndpointClient:
     def __init__(
         self,
@@ -90,6 +95,7 @@ class EndpointClient:
         backoff_max_s: float = 30.0,
         extra_headers: dict[str, str] | None = None,
         userinfo: str | None = None,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ):
         self.url = url
         self.headers = {"Content-Type": "application/json", **(extra_headers or {})}
@@ -107,6 +113,7 @@ class EndpointClient:
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self.max_in_flight = max_in_flight
+        self.max_response_bytes = max_response_bytes
         self.session: Any = None
 
     async def __aenter__(self) -> EndpointClient:
@@ -136,7 +143,13 @@ class EndpointClient:
         await self.limiter.wait()
         # Redirects are not followed: the key would go with the request to wherever the redirect points.
         async with self.session.post(self.url, data=json.dumps(payload), allow_redirects=False) as resp:
-            text = await resp.text()
+            raw = await resp.content.read(self.max_response_bytes + 1)
+            if len(raw) > self.max_response_bytes:
+                return resp.status, {"__error__": f"response body over {self.max_response_bytes} bytes"}
+            try:
+                text = raw.decode(resp.charset or "utf-8")
+            except (UnicodeDecodeError, LookupError) as exc:
+                return resp.status, {"__error__": f"response body is not valid {resp.charset or 'utf-8'}: {exc}"}
             if 300 <= resp.status < 400:
                 where = resp.headers.get("Location", "?")
                 return resp.status, {

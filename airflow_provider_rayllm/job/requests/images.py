@@ -47,34 +47,38 @@ _IMAGE_FORMATS = {
 }
 
 
-def _check_public_host(url: str, allow_private: bool) -> None:
-    """A URL the job would fetch must not reach into the cluster's own network (loopback, link-local such
-    as a cloud metadata endpoint, private ranges) unless the task allows it."""
+# Seconds one image URL may take in all (connect, headers, body): a server that drips one byte at a time
+# keeps each read inside a per-read timeout, so only a total deadline ends it.
+FETCH_DEADLINE_S = 60.0
+_READ_CHUNK = 1 << 16
+
+
+def _resolve_checked(url: str, allow_private: bool) -> tuple[str, str, int]:
+    """(host, the address to connect to, port). A URL the job fetches must reach a globally routable address
+    (``ipaddress.is_global``: not loopback, link-local such as a cloud metadata endpoint, private, shared
+    (100.64.0.0/10) or reserved ranges) unless the task allows private hosts. The name is resolved once here,
+    and the fetch connects to this address: a second lookup could answer otherwise."""
     import ipaddress
     import socket
     import urllib.parse
 
-    host = urllib.parse.urlsplit(url).hostname or ""
-    if allow_private:
-        return
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        addresses = [info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
     except OSError as exc:
         raise ValueError(f"image URL host {host!r} does not resolve: {exc}") from None
-    for address in addresses:
-        ip = ipaddress.ip_address(address.split("%")[0])
-        if (
-            ip.is_private
-            or ip.is_loopback
-            or ip.is_link_local
-            or ip.is_reserved
-            or ip.is_multicast
-            or ip.is_unspecified
-        ):
-            raise ValueError(
-                f"image URL {url!r} points at {address} (a loopback, link-local or private address); "
-                "set image_allow_private_hosts=True to fetch from such hosts"
-            )
+    if not addresses:
+        raise ValueError(f"image URL host {host!r} does not resolve")
+    if not allow_private:
+        for address in addresses:
+            if not ipaddress.ip_address(address.split("%")[0]).is_global:
+                raise ValueError(
+                    f"image URL {url!r} points at {address}, which is not a public address (loopback, link-local, "
+                    "private, shared or reserved); set image_allow_private_hosts=True to fetch from such hosts"
+                )
+    return host, addresses[0], port
 
 
 def _read_capped(stream: Any, limit: int, what: str) -> bytes:
@@ -85,28 +89,62 @@ def _read_capped(stream: Any, limit: int, what: str) -> bytes:
 
 
 def _fetch(url: str, limit: int, allow_private: bool) -> bytes:
-    import urllib.error
-    import urllib.request
+    """The body of an http(s) image URL: at most ``limit`` bytes, within ``FETCH_DEADLINE_S`` in all, from the
+    address that was checked; redirects are not followed (one could lead to a private host)."""
+    import http.client
+    import socket
+    import ssl
+    import time
+    import urllib.parse
 
-    _check_public_host(url, allow_private)
+    deadline = time.monotonic() + FETCH_DEADLINE_S
+    host, address, port = _resolve_checked(url, allow_private)
+    parts = urllib.parse.urlsplit(url)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
-    class NoRedirect(urllib.request.HTTPRedirectHandler):  # a redirect could lead to a private host
-        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-            return None
+    def remaining() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ValueError(f"image {url!r} took longer than {FETCH_DEADLINE_S:.0f} s to fetch")
+        return left
 
-    opener = urllib.request.build_opener(NoRedirect)
+    class Pinned(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.create_connection((address, port), timeout=min(30.0, remaining()))
+
+    class PinnedTLS(http.client.HTTPSConnection):
+        def connect(self) -> None:
+            sock = socket.create_connection((address, port), timeout=min(30.0, remaining()))
+            self.sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+
+    connection = (PinnedTLS if parts.scheme == "https" else Pinned)(host, port, timeout=min(30.0, remaining()))
     try:
-        with opener.open(
-            urllib.request.Request(url, headers={"User-Agent": "airflow-provider-rayllm"}), timeout=30
-        ) as resp:
-            length = resp.headers.get("Content-Length")
-            if length and length.isdigit() and int(length) > limit:
-                raise ValueError(f"image {url!r} is {length} bytes, larger than image_max_bytes={limit}")
-            return _read_capped(resp, limit, f"image {url!r}")
-    except urllib.error.HTTPError as exc:
-        raise ValueError(f"image {url!r}: HTTP {exc.code}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise ValueError(f"image {url!r} cannot be fetched: {exc}") from None
+        connection.request("GET", target, headers={"User-Agent": "airflow-provider-rayllm", "Host": parts.netloc})
+        resp = connection.getresponse()
+        if resp.status >= 300:
+            kind = "a redirect, which is not followed" if 300 <= resp.status < 400 else "an error"
+            raise ValueError(f"image {url!r}: HTTP {resp.status} ({kind})")
+        length = resp.getheader("Content-Length")
+        if length and length.isdigit() and int(length) > limit:
+            raise ValueError(f"image {url!r} is {length} bytes, larger than image_max_bytes={limit}")
+        chunks, size = [], 0
+        while True:
+            if connection.sock is not None:
+                connection.sock.settimeout(min(30.0, remaining()))
+            chunk = resp.read1(_READ_CHUNK)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limit:
+                raise ValueError(f"image {url!r} is larger than image_max_bytes={limit}")
+            chunks.append(chunk)
+            remaining()
+        return b"".join(chunks)
+    except (http.client.HTTPException, OSError) as exc:
+        remaining()  # a read that timed out at the deadline says so
+        raise ValueError(f"image {url!r} cannot be fetched: {type(exc).__name__}: {exc}") from None
+    finally:
+        connection.close()
 
 
 def image_url(value: Any, max_bytes: int = 20 << 20, allow_private: bool = False) -> str:
