@@ -13,7 +13,6 @@ write tasks' results.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
 import threading
@@ -27,12 +26,13 @@ from airflow_provider_rayllm.job import secrets
 from airflow_provider_rayllm.job.engines import open_engine
 from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.errors import JobError, JobRefused
+from airflow_provider_rayllm.job.failpoints import FAILPOINT_ENV, failpoint
 from airflow_provider_rayllm.job.progress import AnswerCounter, ProgressLog
 from airflow_provider_rayllm.job.publish.publisher import Publisher
 from airflow_provider_rayllm.job.requests.stage import RequestStage
 from airflow_provider_rayllm.job.sinks.files import ResultSink, totals
 from airflow_provider_rayllm.job.sources import open_input
-from airflow_provider_rayllm.job.stream import ERROR, LIGHT
+from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, LIGHT
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 
@@ -88,6 +88,7 @@ def plan(
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=1),
             **ID_GATE,
+            **ACTOR_RETRIES,
         )
     else:
         ds = ds.map_batches(RequestStage(**stage), batch_format="pyarrow", **LIGHT)
@@ -189,18 +190,6 @@ def _configure_ray_data(spec: JobSpec) -> None:
         limits = ctx.execution_options.resource_limits
         ctx.execution_options.resource_limits = limits.copy(object_store_memory=window * 2**20)
         log_info("object store window: %d MiB for the rows in flight", window)
-
-
-# A crash on purpose at a named step (the job's env var RAYLLM_FAILPOINT=<step>), for the tests of what a
-# crash there leaves behind: the process ends at once, as a killed driver would.
-FAILPOINT_ENV = "RAYLLM_FAILPOINT"
-
-
-def failpoint(step: str) -> None:
-    if os.environ.get(FAILPOINT_ENV) == step:
-        log_info("failpoint %s: the driver ends here", step)
-        sys.stdout.flush()
-        os._exit(1)
 
 
 def preflight(spec: JobSpec, package_dir: str) -> tuple[Any, list[str], Engine]:
@@ -313,3 +302,6 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         len(removed),
     )
     return body
+
+
+__all__ = ["FAILPOINT_ENV", "run"]

@@ -18,6 +18,10 @@ ERROR = "__inference_error__"
 # Our light stages (requests, callers, writes) take a fifth of a CPU: at a whole CPU each they would wait
 # behind the engine's stage actors on a small cluster, and deadlock a 2-core one.
 LIGHT: dict[str, Any] = {"num_cpus": 0.2}
+# Ray Data restarts a dead map actor for ever by default (max_restarts=-1), so an actor that dies on every
+# start (a bad image, a crash in its constructor) would hold the job without an end. A few restarts still
+# ride out a killed worker or a dead engine (Ray's vLLM stage exits its actor to get a fresh engine).
+ACTOR_RETRIES: dict[str, Any] = {"max_restarts": 3, "max_task_retries": 3}
 
 
 def is_empty(value: Any) -> bool:

@@ -678,3 +678,29 @@ def test_a_killed_vllm_engine_is_resumed_without_recomputing_finished_rows(ray_c
         rows_lost=n - len(set(ids)),
         duplicate_rows=len(ids) - len(set(ids)),
     )
+
+
+def test_an_actor_that_dies_on_every_start_ends_the_job_in_bounded_time(ray_conn, echo, test_home):
+    """Ray Data restarts a dead map actor without end by default; the job's actors get a few restarts, so an
+    HTTP caller that dies in its constructor every time (RAYLLM_FAILPOINT=caller_start) fails the task with
+    the actor's death, in bounded time, instead of holding it."""
+    from airflow_provider_rayllm.exceptions import RayJobFailed
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+    from airflow_provider_rayllm.job.failpoints import FAILPOINT_ENV
+
+    ti = StandInTI("reliability", "manual__dying_actor", "dying_actor")
+    op = _http_op(
+        "dying_actor",
+        _rows(test_home, "dying", 8),
+        str(test_home / "out" / "dying"),
+        job_runtime_env={"env_vars": {FAILPOINT_ENV: "caller_start"}},
+    )
+    started = time.monotonic()
+    with pytest.raises(RayJobFailed) as failure:
+        op.execute({"ti": ti})
+    seconds = time.monotonic() - started
+    logs = RayJobHook().get_job_logs(ti.xcom["submission_id"])
+    assert logs.count("failpoint caller_start") >= 2, "the actor was started again after it died"
+    assert "Actor" in str(failure.value) or "actor" in str(failure.value), str(failure.value)
+    assert seconds < 240, f"{seconds:.0f} s"  # measured 2026-12-04: see docs/RELIABILITY.md
+    record_figure("actor_dies_on_every_start", seconds_to_fail=round(seconds, 1), error=str(failure.value)[:200])

@@ -15,9 +15,10 @@ from airflow_provider_rayllm.contract.spec import HttpProcessorSpec, JobSpec
 from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.engines.http_client import EndpointClient
 from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.failpoints import failpoint
 from airflow_provider_rayllm.job.progress import column_sum
 from airflow_provider_rayllm.job.shaping import Shaper
-from airflow_provider_rayllm.job.stream import ERROR, KEPT_INPUT, LIGHT, PRE_ERROR, REQUEST, count
+from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, KEPT_INPUT, LIGHT, PRE_ERROR, REQUEST, count
 
 API_KEY_ENV = HTTP_API_KEY_ENV
 
@@ -69,6 +70,7 @@ class HttpCaller:
     """
 
     def __init__(self, http_json: str):
+        failpoint("caller_start", "an HTTP caller actor")
         self.http = HttpProcessorSpec.model_validate_json(http_json)
         self.loop = asyncio.new_event_loop()
         self.client = EndpointClient(
@@ -194,6 +196,7 @@ class HttpEngine(Engine):
             compute=ray.data.ActorPoolStrategy(size=self.http.concurrency),
             num_cpus=LIGHT["num_cpus"],
             batch_format="numpy",
+            **ACTOR_RETRIES,
         )
 
     def shaper(self) -> Shaper:

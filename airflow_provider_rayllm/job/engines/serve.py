@@ -15,7 +15,7 @@ from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.engines.http import extract, openai_body
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.shaping import Shaper
-from airflow_provider_rayllm.job.stream import ERROR, LIGHT, PRE_ERROR, REQUEST, count, to_python
+from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, LIGHT, PRE_ERROR, REQUEST, count, to_python
 
 # Our endpoint names -> (the Serve LLM server's method, its request class, the HTTP pipeline's endpoint)
 METHODS = {
@@ -165,6 +165,8 @@ class ServeEngine(Engine):
         # cluster whose CPUs the deployment's replicas already hold.
         for stage in processor.stages.values():
             stage.map_batches_kwargs.setdefault("num_cpus", LIGHT["num_cpus"])
+            for name, value in ACTOR_RETRIES.items():
+                stage.map_batches_kwargs.setdefault(name, value)
         return processor(ds)
 
     def shaper(self) -> Shaper:
