@@ -560,11 +560,10 @@ class ServeProcessorSpec(_Strict):
         1, ge=1, description="Ray Data actors holding a handle to the deployment.", json_schema_extra=HIDDEN
     )
     batch_size: int = Field(16, ge=1, description="Rows handed to an actor at a time.", json_schema_extra=HIDDEN)
-    request_timeout_s: float = Field(
-        600.0,
+    request_timeout_s: float | None = Field(
+        None,
         gt=0,
-        description="With serve_deployment: a request slower than this becomes an error row (no request waits "
-        "without an end).",
+        description="With serve_deployment: a request slower than this becomes an error row.",
         json_schema_extra=arg("serve_request_timeout_s"),
     )
 
