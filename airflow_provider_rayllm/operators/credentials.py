@@ -28,12 +28,12 @@ def aws_env(conn_id: str) -> dict[str, str]:
     those its hook resolves: an assumed role, a profile), region and endpoint_url. A connection with no
     credentials gives the job none: the cluster's own role answers."""
     conn = BaseHook.get_connection(conn_id)
+    if bool(conn.login) != bool(conn.password):
+        raise InvalidSpec(f"connection {conn_id!r}: give both the access key id (login) and the secret (password)")
     try:
         from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
     except ImportError:
         return _aws_env_from_fields(conn_id, conn)
-    if bool(conn.login) != bool(conn.password):
-        raise InvalidSpec(f"connection {conn_id!r}: give both the access key id (login) and the secret (password)")
     hook = AwsBaseHook(aws_conn_id=conn_id, client_type="s3")
     config = hook.conn_config
     env: dict[str, str] = {}
@@ -75,8 +75,6 @@ def _aws_env_from_fields(conn_id: str, conn: Any) -> dict[str, str]:
     endpoint = _extra(conn, "endpoint_url", "aws") or (service_config.get("s3") or {}).get("endpoint_url")
     if endpoint:
         env["AWS_ENDPOINT_URL"] = endpoint
-    if bool(env.get("AWS_ACCESS_KEY_ID")) != bool(env.get("AWS_SECRET_ACCESS_KEY")):
-        raise InvalidSpec(f"connection {conn_id!r}: give both the access key id (login) and the secret (password)")
     return env
 
 
