@@ -21,7 +21,9 @@ DOC = REPO / "docs" / "DEPLOYING.md"
 
 def block(marker: str) -> str:
     text = DOC.read_text(encoding="utf-8")
-    found = re.search(rf"<!-- {re.escape(marker)} -->\n```\w+\n(.*?)```", text, re.DOTALL)
+    found = re.search(
+        rf"<!-- run: tests/unit/test_deploying_doc.py {re.escape(marker)} -->\n```\w+\n(.*?)```", text, re.DOTALL
+    )
     assert found, f"docs/DEPLOYING.md has no block marked {marker!r}"
     return found.group(1)
 
@@ -50,7 +52,7 @@ def ray_pin() -> str:
 
 
 def test_the_raycluster_manifest_runs_our_ray_with_token_auth():
-    manifest = yaml.safe_load(block("manifest: raycluster"))
+    manifest = yaml.safe_load(block("raycluster"))
     assert manifest["kind"] == "RayCluster"
     spec = manifest["spec"]
     assert spec["rayVersion"].startswith(ray_pin() + "."), (spec["rayVersion"], ray_pin())
@@ -60,7 +62,7 @@ def test_the_raycluster_manifest_runs_our_ray_with_token_auth():
 
 
 def test_the_images_pip_line_is_the_cluster_and_gpu_extras():
-    words = shlex.split(block("pip: cluster-image").replace("\\\n", " "))
+    words = shlex.split(block("cluster-image").replace("\\\n", " "))
     listed = {str(Requirement(w)) for w in words[words.index("install") + 1 :]}
     assert listed == flattened(["cluster", "gpu"])
 
@@ -72,7 +74,7 @@ def test_the_kuberay_connection_lines_give_the_hook_the_dashboard_and_the_token(
 
     token = "canary-token-7f3a"
     fake_kubectl = f"kubectl() {{ echo {base64.b64encode(token.encode()).decode()}; }}\n"
-    script = fake_kubectl + block("connection: kuberay") + 'printf %s "$AIRFLOW_CONN_RAY_DEFAULT"\n'
+    script = fake_kubectl + block("kuberay-connection") + 'printf %s "$AIRFLOW_CONN_RAY_DEFAULT"\n'
     value = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
     body = json.loads(value)
     conn = Connection(
