@@ -1,9 +1,15 @@
 """Copy model weights to a bucket and prove it: the guide's `upload_model`, verified.
 
-Order: checksum the source; compare with the destination's model manifest (same content: skip);
-remove that manifest (an interrupted upload is then never mistaken for a complete one); copy the
-files that are missing or differ; read every file back and compare name, size and sha256; write the
-model manifest last. A failed check lists the files that are missing or different.
+Order: checksum the source; compare with the destination's model manifest (same content and no other
+file under the prefix: skip); remove that manifest (an interrupted upload is then never mistaken for a
+complete one); copy the files that are missing or differ; remove the files under the prefix that are not
+this model's (an earlier model's, a stray one: a loader reading the folder would take them as part of it);
+read every file under the prefix back and compare name, size and sha256; write the model manifest last. A
+failed check lists the files that are missing, different or extra.
+
+Files that are not this model's are removed only where the prefix is ours to replace: it holds our model
+manifest (this model, or another with ``overwrite``), or ``overwrite`` is set. A prefix with files of its own
+and no manifest is refused, naming a few of them.
 
 Ray's own uploader (`python -m ray.llm.utils.upload_model`) is not used: it can log an error and
 still exit 0, and it does not verify what arrived.
@@ -115,9 +121,16 @@ def mismatches(fs: pafs.FileSystem, root: str, files: list[dict[str, Any]]) -> d
     return bad
 
 
+def extras(fs: pafs.FileSystem, root: str, files: list[dict[str, Any]]) -> list[str]:
+    """Files under the destination that are not this model's (the model manifest aside)."""
+    wanted = {f["path"] for f in files} | {MODEL_MANIFEST}
+    return sorted(path for path in _remote_files(fs, root) if path not in wanted)
+
+
 def verify(fs: pafs.FileSystem, root: str, files: list[dict[str, Any]]) -> list[str]:
-    """Problems found reading the destination back; empty when every file matches."""
-    return [f"{path}: {why}" for path, why in mismatches(fs, root, files).items()]
+    """Problems found reading the destination back: every file under it is this model's and matches."""
+    problems = [f"{path}: {why}" for path, why in mismatches(fs, root, files).items()]
+    return problems + [f"{path}: not part of this model" for path in extras(fs, root, files)]
 
 
 def run(spec: UploadJobSpec, submission_id: str) -> dict[str, Any]:
@@ -135,13 +148,19 @@ def run(spec: UploadJobSpec, submission_id: str) -> dict[str, Any]:
         raise JobError(f"bucket_uri {spec.bucket_uri!r} cannot be read: {type(exc).__name__}: {exc}") from None
 
     bad = mismatches(fs, root, files)
-    if existing is not None and existing.get("files") == content and not bad:
+    stale = extras(fs, root, files)
+    if existing is not None and existing.get("files") == content and not bad and not stale:
         log.info("the destination already holds this content; nothing to upload")
         return _manifest(spec, submission_id, content, total, skipped=True, uploaded=0, started=started)
     if existing is not None and existing.get("model_source") != spec.model_source and not spec.overwrite:
         raise JobError(
             f"bucket_uri {spec.bucket_uri!r} holds another model ({existing.get('model_source')!r}); "
             "choose another prefix or set overwrite=True"
+        )
+    if existing is None and stale and not spec.overwrite:
+        raise JobError(
+            f"bucket_uri {spec.bucket_uri!r} holds {len(stale)} file(s) that are not this model's and no model "
+            f"manifest (e.g. {stale[:3]!r}); choose an empty prefix or set overwrite=True to replace them"
         )
 
     # From here until the new manifest is written, the destination is visibly incomplete.
@@ -165,14 +184,29 @@ def run(spec: UploadJobSpec, submission_id: str) -> dict[str, Any]:
             raise JobError(f"bucket_uri {spec.bucket_uri!r}: cannot write {f['path']}: {exc}") from None
         uploaded += 1
         log.info("uploaded %s (%d bytes)", f["path"], f["bytes"])
+    removed = _remove(fs, root, extras(fs, root, files), spec.bucket_uri)
     problems = verify(fs, root, files)
     if problems:
         raise JobError(f"upload to {spec.bucket_uri!r} is incomplete: " + "; ".join(problems[:20]))
     body = _manifest(spec, submission_id, content, total, skipped=False, uploaded=uploaded, started=started)
+    body["removed_files"] = removed
     filesystems.write_text_atomic(
         f"{spec.bucket_uri}/{MODEL_MANIFEST}", json.dumps({**body, "files": content}, indent=2)
     )
     return body
+
+
+def _remove(fs: pafs.FileSystem, root: str, paths: list[str], bucket_uri: str) -> list[str]:
+    """Delete the files that are not this model's; the paths removed, for the manifest and the log."""
+    for path in paths:
+        try:
+            fs.delete_file(f"{root}/{path}")
+        except OSError as exc:
+            raise JobError(
+                f"bucket_uri {bucket_uri!r}: cannot remove {path!r}, not part of this model: {exc}"
+            ) from None
+        log.info("removed %s: not part of this model", path)
+    return paths
 
 
 def _manifest(
@@ -200,6 +234,7 @@ def _manifest(
         "checksum": hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest(),
         "skipped": skipped,
         "uploaded_files": uploaded,
+        "removed_files": [],
         "wall_time_s": round(time.time() - started, 3),
         "finished_at": datetime.now(timezone.utc).isoformat(),
         "versions": {"airflow_provider_rayllm": __version__},

@@ -71,3 +71,42 @@ def test_upload_spec_is_checked():
     with pytest.raises(SpecError, match="bucket_uri 'ftp://x'"):
         parse_spec({"kind": "upload", "model_source": "m", "bucket_uri": "ftp://x"})
     assert isinstance(parse_spec({"kind": "upload", "model_source": "m", "bucket_uri": "s3://b/m/"}), UploadJobSpec)
+
+
+def listed(dest):
+    return sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+
+
+def test_an_overwrite_leaves_no_file_of_the_old_model(tmp_path):
+    dest = tmp_path / "bucket" / "m"
+    upload.run(spec(model(tmp_path, "a"), dest), "s1")
+    new = model(tmp_path, "b", b"v" * 10)
+    (new / "sub" / "tokenizer.json").unlink()
+    (new / "merges.txt").write_text("a b")
+    replaced = upload.run(spec(new, dest, overwrite=True), "s2")
+    assert replaced["removed_files"] == ["sub/tokenizer.json"]
+    assert listed(dest) == sorted([f["path"] for f in replaced["files"]] + [upload.MODEL_MANIFEST])
+
+
+def test_a_stray_file_under_the_model_is_removed_not_skipped_over(tmp_path):
+    src, dest = model(tmp_path), tmp_path / "bucket" / "m"
+    first = upload.run(spec(src, dest), "s1")
+    (dest / "stray.bin").write_bytes(b"s")
+    assert upload.verify(*upload.filesystems.filesystem_for(str(dest)), first["files"]) == [
+        "stray.bin: not part of this model"
+    ]
+    again = upload.run(spec(src, dest), "s2")
+    assert again["skipped"] is False and again["uploaded_files"] == 0 and again["removed_files"] == ["stray.bin"]
+    assert not (dest / "stray.bin").exists()
+    assert upload.run(spec(src, dest), "s3")["skipped"] is True
+
+
+def test_a_prefix_of_foreign_files_is_refused_unless_overwrite(tmp_path):
+    src, dest = model(tmp_path), tmp_path / "bucket" / "m"
+    dest.mkdir(parents=True)
+    (dest / "notes.txt").write_text("someone else's")
+    with pytest.raises(JobError, match=r"1 file\(s\) that are not this model's .*'notes.txt'.*overwrite=True"):
+        upload.run(spec(src, dest), "s1")
+    assert (dest / "notes.txt").exists() and not (dest / upload.MODEL_MANIFEST).exists()
+    replaced = upload.run(spec(src, dest, overwrite=True), "s2")
+    assert replaced["removed_files"] == ["notes.txt"] and not (dest / "notes.txt").exists()
