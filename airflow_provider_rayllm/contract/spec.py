@@ -271,6 +271,13 @@ class PromptSpec(_Strict):
         description="Fetch image_column URLs from loopback, link-local and private addresses too (refused by "
         "default: a URL from the data must not reach into the cluster's own network).",
     )
+    image_path_prefixes: list[str] | None = Field(
+        None,
+        description="Folders and bucket prefixes (e.g. '/data/images', 's3://bucket/images') that image_column "
+        "paths and bucket URIs may be read from; a cell naming a file elsewhere is an error row, so the data "
+        "cannot make the job read the cluster's own files with its credentials. Default: the folders of "
+        "input_uri (none for a SQL input). URLs (http, data:) are not paths and are not affected.",
+    )
 
     @model_validator(mode="after")
     def _one_way(self) -> PromptSpec:

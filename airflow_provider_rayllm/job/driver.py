@@ -206,6 +206,16 @@ def preflight(spec: JobSpec, package_dir: str) -> tuple[Any, list[str], Engine]:
     return source, keep, engine
 
 
+def with_image_folders(spec: JobSpec, folders: list[str]) -> JobSpec:
+    """The spec the row stages see: image_column paths may be read under the input's own folders unless the
+    task named its own prefixes (a SQL input or rows given with the task have none)."""
+    prompt = spec.prompt
+    if prompt.image_column is None or prompt.image_path_prefixes is not None:
+        return spec
+    log_info("image_column paths are read only under the input's folder(s) %s (image_path_prefixes)", folders)
+    return spec.model_copy(update={"prompt": prompt.model_copy(update={"image_path_prefixes": folders})})
+
+
 def _sweep_leftover_secrets() -> None:
     """Beside the job: the secrets an earlier job left on the nodes when its driver was killed."""
     try:
@@ -244,12 +254,13 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     log_info("writing generation %s (%d saved file(s) of earlier attempts to resume from)", publisher.uri, len(saved))
 
     # 3. The stream, once.
+    rows_spec = with_image_folders(spec, source.folders)
     with ProgressLog(print_line, log_info, engine.actor_name()) as progress:
         sink = ResultSink(
             publisher.uri, spec.sink.format, rows_per_file(spec, engine), engine.shaper(), progress.counts
         )
         try:
-            plan(spec, engine, source.ds, keep, package_dir, progress.counts, saved).write_datasink(
+            plan(rows_spec, engine, source.ds, keep, package_dir, progress.counts, saved).write_datasink(
                 sink, ray_remote_args=WRITE
             )
         except Exception as exc:

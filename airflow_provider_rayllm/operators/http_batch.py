@@ -90,6 +90,7 @@ class HttpLLMBatchOperator(BatchOperator):
         image_column: str | None = None,
         image_max_bytes: int = 20971520,
         image_allow_private_hosts: bool = False,
+        image_path_prefixes: list[str] | None = None,
         endpoint: HttpEndpoint = "chat/completions",
         model: str,
         concurrency: int = 1,

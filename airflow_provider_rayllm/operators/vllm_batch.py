@@ -72,6 +72,7 @@ class VLLMBatchOperator(BatchOperator):
         image_column: str | None = None,
         image_max_bytes: int = 20971520,
         image_allow_private_hosts: bool = False,
+        image_path_prefixes: list[str] | None = None,
         model_source: str | None = None,
         task_type: TaskType = "generate",
         engine_kwargs: dict[str, Any] | str | None = None,

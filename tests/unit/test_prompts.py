@@ -353,3 +353,69 @@ def test_the_guides_pil_image_part_becomes_an_image_url_part_the_engine_takes():
     # The engine makes the text itself (no detokenize stage): the guide's detokenize=False is dropped there.
     assert "detokenize" not in unpack_request(dict(out))["sampling_params"]
     assert unpack_request(dict(out), engine_detokenizes=False)["sampling_params"]["detokenize"] is False
+
+
+@pytest.mark.parametrize(
+    "location, prefixes, allowed",
+    [
+        ("/data/images/a.png", ["/data/images"], True),
+        ("/data/images/sub/a.png", ["/data/images/"], True),
+        ("/data/images/../secrets/a.png", ["/data/images"], False),
+        ("/data/images2/a.png", ["/data/images"], False),
+        ("/root/.ray/auth_token", ["/data/images"], False),
+        ("file:///data/images/a.png", ["/data/images"], True),
+        ("s3://bucket/images/a.png", ["s3://bucket/images"], True),
+        ("s3://bucket/imagesX/a.png", ["s3://bucket/images"], False),
+        ("s3://other/images/a.png", ["s3://bucket/images"], False),
+        ("s3://bucket/images/../private/a.png", ["s3://bucket/images"], False),
+        ("/data/images/a.png", [], False),
+    ],
+)
+def test_image_paths_are_read_only_under_the_allowed_prefixes(location, prefixes, allowed):
+    from airflow_provider_rayllm.job.requests.images import check_image_location
+
+    if allowed:
+        check_image_location(location, prefixes)
+    else:
+        with pytest.raises(ValueError, match="image_path_prefixes|segments are not allowed"):
+            check_image_location(location, prefixes)
+
+
+def test_an_image_path_outside_the_inputs_folder_is_an_error_row_and_inside_is_read(tmp_path):
+    import json as _json
+
+    from airflow_provider_rayllm.contract.spec import PromptSpec
+    from airflow_provider_rayllm.job.requests.prompts import RequestBuilder
+    from airflow_provider_rayllm.job.sources import input_folders
+    from airflow_provider_rayllm.job.stream import PRE_ERROR, REQUEST
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "red.png").write_bytes(_png())
+    elsewhere = tmp_path / "elsewhere.png"
+    elsewhere.write_bytes(_png())
+    folders = input_folders([str(data / "rows.jsonl")], [str(data / "rows.jsonl")])
+    assert folders == [str(data)]
+    prompt = PromptSpec(prompt_column="q", image_column="img", image_path_prefixes=folders)
+    builder = RequestBuilder(prompt, "generate", ["id"], str(tmp_path))
+    inside = builder({"id": 1, "q": "What color?", "img": str(data / "red.png")})
+    assert inside[PRE_ERROR] == "" and _json.loads(inside[REQUEST])["messages"][0]["content"][0]["type"] == "image_url"
+    outside = builder({"id": 2, "q": "What color?", "img": str(elsewhere)})
+    assert "outside image_path_prefixes" in outside[PRE_ERROR]
+
+
+@pytest.mark.parametrize(
+    "uris, files, expected",
+    [
+        (["/in/rows.jsonl"], ["/in/rows.jsonl"], ["/in"]),
+        (["/in"], ["/in/a.jsonl", "/in/b.jsonl"], ["/in"]),
+        (["/in/2026-*/part-*.parquet"], ["/in/2026-01/part-0.parquet"], ["/in"]),
+        (["s3://b/in/"], ["s3://b/in/a.parquet"], ["s3://b/in"]),
+        (["s3://b/in/rows.parquet"], ["s3://b/in/rows.parquet"], ["s3://b/in"]),
+        (["file:///in/rows.jsonl"], ["/in/rows.jsonl"], ["file:///in"]),
+    ],
+)
+def test_the_inputs_folders(uris, files, expected):
+    from airflow_provider_rayllm.job.sources import input_folders
+
+    assert input_folders(uris, files) == expected

@@ -147,10 +147,38 @@ def _fetch(url: str, limit: int, allow_private: bool) -> bytes:
         connection.close()
 
 
-def image_url(value: Any, max_bytes: int = 20 << 20, allow_private: bool = False) -> str:
+def _normalized(location: str) -> str:
+    """A path or bucket URI in one form for prefix checks: local paths absolute with `..` resolved; bucket
+    URIs as written, refused when they hold a `..` segment (object keys take it literally, readers may not)."""
+    import os.path
+
+    if "://" in location and not location.startswith("file://"):
+        if "/../" in location + "/" or "/./" in location + "/":
+            raise ValueError(f"image {location!r}: '..' and '.' segments are not allowed in a bucket URI")
+        return location.rstrip("/")
+    return os.path.normpath(os.path.abspath(location.removeprefix("file://")))
+
+
+def check_image_location(location: str, prefixes: list[str]) -> None:
+    """An image path or bucket URI must lie under one of ``prefixes`` (folders, compared segment by segment)."""
+    where = _normalized(location)
+    for prefix in prefixes:
+        base = _normalized(prefix)
+        if where == base or where.startswith(base.rstrip("/") + "/"):
+            return
+    raise ValueError(
+        f"image {location!r} is outside image_path_prefixes {prefixes!r}; add its folder to "
+        "image_path_prefixes to read images from there"
+    )
+
+
+def image_url(
+    value: Any, max_bytes: int = 20 << 20, allow_private: bool = False, path_prefixes: list[str] | None = None
+) -> str:
     """An image cell as a data: URL for the engine's multimodal stage. Bytes, paths, bucket URIs and http(s)
-    URLs are read here, at most ``max_bytes`` each (a URL's host must be public unless ``allow_private``),
-    and checked to be an image; a data: URL passes as it is."""
+    URLs are read here, at most ``max_bytes`` each (a URL's host must be public unless ``allow_private``; a
+    path or bucket URI must lie under ``path_prefixes`` when given), and checked to be an image; a data: URL
+    passes as it is."""
     import base64
     import io as _io
 
@@ -166,6 +194,8 @@ def image_url(value: Any, max_bytes: int = 20 << 20, allow_private: bool = False
         else:
             from airflow_provider_rayllm.job import filesystems
 
+            if path_prefixes is not None:
+                check_image_location(value, path_prefixes)
             fs, path = filesystems.filesystem_for(value)
             try:
                 with fs.open_input_stream(path) as stream:

@@ -90,7 +90,12 @@ class RequestBuilder:
                     messages.append({"role": "system", "content": p.system_prompt})
                 text = self._text(row)
                 if p.image_column is not None:
-                    url = image_url(row.get(p.image_column), p.image_max_bytes, p.image_allow_private_hosts)
+                    url = image_url(
+                        row.get(p.image_column),
+                        p.image_max_bytes,
+                        p.image_allow_private_hosts,
+                        p.image_path_prefixes if p.image_path_prefixes is not None else [],
+                    )
                     messages.append(
                         {
                             "role": "user",

@@ -6,7 +6,9 @@ limited to one row); the rows themselves are read by the stream.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import posixpath
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_provider_rayllm.contract.spec import JobSpec, RowsSource, SqlSource
@@ -18,6 +20,23 @@ class Input:
     ds: Any
     columns: list[str]
     description: str
+    # The folders holding the input's files: where image_column paths may be read from by default.
+    folders: list[str] = field(default_factory=list)
+
+
+def input_folders(uris: list[str], files: list[str]) -> list[str]:
+    """Each input URI's folder: a folder as given, a file's parent, the folder a glob's fixed part names."""
+    folders = []
+    for uri in uris:
+        fixed = re.split(r"[*?\[]", uri, maxsplit=1)[0]
+        if fixed != uri:
+            folder = fixed if fixed.endswith("/") else posixpath.dirname(fixed)
+        elif uri in files or uri.removeprefix("file://") in files:
+            folder = posixpath.dirname(uri)
+        else:
+            folder = uri
+        folders.append(folder.rstrip("/") or "/")
+    return folders
 
 
 def open_input(spec: JobSpec) -> Input:
@@ -54,4 +73,5 @@ def open_input(spec: JobSpec) -> Input:
         raise JobError(f"source: no rows in {where}")
     if spec.limits.max_rows:
         ds = ds.limit(spec.limits.max_rows)
-    return Input(ds, columns, description)
+    folders = input_folders(source.uris, paths) if not isinstance(source, (RowsSource, SqlSource)) else []
+    return Input(ds, columns, description, folders)
