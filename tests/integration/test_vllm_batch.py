@@ -281,7 +281,11 @@ def _preflight(ray_conn, smollm2, test_home, cases: list[dict], *plan: str) -> l
         [sys.executable, str(script), *plan, *folders], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    lines = {line["folder"]: line for line in map(json.loads, done.stdout.splitlines()) if "folder" in line}
+    lines = {}
+    for text in done.stdout.splitlines():
+        if text.startswith('{"folder"'):
+            line = json.loads(text)
+            lines[line["folder"]] = line
     return [lines[folder] for folder in folders]
 
 
