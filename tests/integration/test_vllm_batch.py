@@ -244,7 +244,7 @@ def test_bad_configuration_fails_before_any_engine_starts(
     assert not (output_uri / "_manifest.json").exists()
 
 
-def _preflight(ray_conn, smollm2, test_home, cases: list[dict], *plan: str) -> list[dict]:
+def _preflight(ray_conn, smollm2, test_home, cases: list[dict]) -> list[dict]:
     """tests/integration/preflight.py over one job package per case (the test DAG's settings with the case's
     overrides), in one Ray driver process; its JSON line per case."""
     import json
@@ -277,9 +277,7 @@ def _preflight(ray_conn, smollm2, test_home, cases: list[dict], *plan: str) -> l
 
     env = ray_driver_env(ray_conn, test_home)
     script = Path(__file__).with_name("preflight.py")
-    done = subprocess.run(
-        [sys.executable, str(script), *plan, *folders], env=env, capture_output=True, text=True, timeout=600
-    )
+    done = subprocess.run([sys.executable, str(script), *folders], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     lines = {}
     for text in done.stdout.splitlines():
@@ -298,12 +296,11 @@ def test_the_drivers_preflight_refuses_each_bad_engine_setting(ray_conn, smollm2
             assert line["error"] is not None and expected in line["error"], (overrides, line["error"])
 
 
-def test_the_driver_imports_neither_vllm_nor_torch_before_the_engines_start(ray_conn, smollm2, test_home):
+def test_the_drivers_checks_import_neither_vllm_nor_torch(ray_conn, smollm2, test_home):
     """The driver's checks read the model's config files and vLLM's source: importing vLLM (and torch with
-    it) would cost every job tens of seconds before its engines are even asked for. Judged in a fresh
-    driver process, through the preflight and the engine step's lazy plan, with the settings a test DAG
-    gives and with sampling and length settings the driver must still refuse."""
-    (plain,) = _preflight(ray_conn, smollm2, test_home, [{}], "--plan")
+    it) cost every job tens of seconds before a bad setting was refused. Judged in a fresh driver process
+    with the settings a test DAG gives, and with sampling and length settings it must still refuse."""
+    (plain,) = _preflight(ray_conn, smollm2, test_home, [{}])
     assert plain["error"] is None, plain["error"]
     assert plain["heavy"] == [], f"the driver imported {plain['heavy']} for the plain settings"
     bad = [{"sampling_params": {"temperature": -1}}, {"engine_kwargs": {"max_model_len": 9000}}]
