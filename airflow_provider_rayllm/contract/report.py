@@ -99,7 +99,7 @@ def _rows_chart(manifest: Mapping[str, Any]) -> str:
     def y(r: float) -> float:
         return HEIGHT - PAD + (2 * PAD - HEIGHT) * r / top
 
-    marks = []
+    marks: list[str] = []
     for key, label in (
         ("engine_ready_s", "engine ready"),
         ("first_output_file_s", "first file"),
