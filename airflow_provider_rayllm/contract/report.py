@@ -71,8 +71,9 @@ def answering_seconds(manifest: Mapping[str, Any]) -> float | None:
     return float(end - start)
 
 
-def _figure(value: str, label: str) -> str:
-    return f'<div class="fig"><b>{value}</b><span>{esc(label)}</span></div>'
+def _figure(value: str, label: str, element_id: str = "") -> str:
+    at = f' id="{element_id}"' if element_id else ""
+    return f'<div class="fig"><b{at}>{value}</b><span>{esc(label)}</span></div>'
 
 
 def _cost(manifest: Mapping[str, Any]) -> str:
@@ -91,7 +92,11 @@ def _rows_chart(manifest: Mapping[str, Any]) -> str:
     span = max([float(manifest.get("wall_time_s") or 0.0)] + [t for t, _ in points] + [1.0])
     top = max([float(manifest.get("rows_in") or 0)] + [r for _, r in points] + [1.0])
     start = timeline.get("plan_started_s") or 0.0
-    line = [(float(start), 0.0)] + sorted(points)
+    # Steps: the rows stay as they were until the next sample, then rise to it.
+    line, done = [(float(start), 0.0)], 0.0
+    for t, r in sorted(points):
+        line += [(t, done), (t, r)]
+        done = r
 
     def x(t: float) -> float:
         return PAD + (WIDTH - 2 * PAD) * t / span
@@ -115,7 +120,7 @@ def _rows_chart(manifest: Mapping[str, Any]) -> str:
     path = " ".join(f"{x(t):.1f},{y(r):.1f}" for t, r in line)
     dots = "".join(
         f'<circle cx="{x(t):.1f}" cy="{y(r):.1f}" r="2.5" fill="#2f6db5"><title>{r:.0f} rows at {t:.1f} s</title></circle>'
-        for t, r in line[1:]
+        for t, r in points
     )
     axes = (
         f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{WIDTH - PAD}" y2="{HEIGHT - PAD}" stroke="#5a6675"/>'
@@ -124,6 +129,8 @@ def _rows_chart(manifest: Mapping[str, Any]) -> str:
         f'<text x="{WIDTH - PAD}" y="{HEIGHT - PAD + 16}" text-anchor="end">{span:.0f} s</text>'
         f'<text x="{PAD - 6}" y="{HEIGHT - PAD}" text-anchor="end">0</text>'
         f'<text x="{PAD - 6}" y="{y(top) + 4:.1f}" text-anchor="end">{top:.0f}</text>'
+        f'<text x="{WIDTH / 2:.0f}" y="{HEIGHT - PAD + 16}" text-anchor="middle">seconds since the driver started</text>'
+        f'<text x="{PAD + 6}" y="{HEIGHT - PAD - 6}">rows answered</text>'
     )
     return (
         f'<svg class="chart" id="rows-over-time" role="img" aria-label="rows answered over time" '
@@ -189,7 +196,7 @@ def render(manifest: Mapping[str, Any]) -> str:
     title = f"{run.get('dag_id', '')} / {run.get('task_id', '')}: {run.get('run_id', '')}"
     figures = "".join(
         (
-            _figure(f'<span id="rows-out">{number(manifest.get("rows_out"))}</span>', "rows out"),
+            _figure(number(manifest.get("rows_out")), "rows out", "rows-out"),
             _figure(number(manifest.get("rows_in")), "rows in"),
             _figure(number(manifest.get("rows_errored")), "error rows"),
             _figure(number(manifest.get("rows_resumed")), "rows resumed"),

@@ -262,8 +262,8 @@ def test_the_report_is_written_beside_the_manifest_which_names_it_and_readers_sk
     assert body["report_uri"] == str(page) and read_manifest(str(prefix))["report_uri"] == str(page)
     # Made from the manifest alone: the published manifest makes the same page again.
     assert page.read_text() == report.render(read_manifest(str(prefix)))
-    assert f'<span id="rows-out">{body["rows_out"]}</span>' in page.read_text()
+    assert f'<b id="rows-out">{body["rows_out"]}</b>' in page.read_text()
     assert pq.read_table(str(prefix)).num_rows == body["rows_out"], "folder readers skip the page"
     # A second publish replaces the page with its own figures.
     body = _publish(prefix, "manual__2", "second", n=7)
-    assert f'<span id="rows-out">{body["rows_out"]}</span>' in page.read_text()
+    assert f'<b id="rows-out">{body["rows_out"]}</b>' in page.read_text()

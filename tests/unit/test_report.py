@@ -91,9 +91,12 @@ def test_the_page_shows_the_runs_rows_its_chart_and_its_seconds():
     assert page.text_by_id["rows-out"] == f"{body['rows_out']:,}"
     charts = {svg.get("id") for svg in page.tags("svg") if svg.get("class") == "chart"}
     assert charts == {"rows-over-time", "seconds"}
-    # The line starts at the plan's start with no rows and passes through every sample.
+    # The line starts at the plan's start with no rows and steps up to each sample, one dot per sample.
     points = page.tags("polyline")[0]["points"].split()
-    assert len(points) == len(body["rows_over_time"]) + 1
+    assert len(points) == 2 * len(body["rows_over_time"]) + 1
+    dots = [c for c in page.tags("circle")]
+    assert len(dots) == len(body["rows_over_time"])
+    assert len({d["cy"] for d in dots}) == len(dots), "each sample at its own height (rows rise)"
     # Seconds: the four phases cover the wall time, each shown.
     spans = report.phases(body)
     assert [name for name, _ in spans][0] == "start-up and checks"
