@@ -257,9 +257,10 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
             if ours is not None:
                 raise JobError(str(ours)) from None
             raise
+        stream_done = time.time()
         counted = progress.finish()
         timeline = progress.timeline(counted, started)
-        timeline["stream_done_s"] = round(time.time() - started, 3)
+        timeline["stream_done_s"] = round(stream_done - started, 3)
         series = progress.series(started)
     written = totals(sink.results)
     for example in written["error_examples"]:
