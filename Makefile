@@ -4,13 +4,17 @@ VENV ?= .venv
 TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-unit bench clean-local
+.PHONY: setup demo ui test test-unit bench clean-local
 
 setup:
 	bash scripts/setup.sh
 
 demo: setup
 	$(PY) -m airflow_provider_rayllm.local demo
+
+# Airflow's UI over the demo's database (its run, logs and report link) on http://127.0.0.1:8080; Ctrl-C stops it.
+ui: setup
+	$(PY) -m airflow_provider_rayllm.local ui
 
 test: setup
 	$(PY) -m ruff check .

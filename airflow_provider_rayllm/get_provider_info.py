@@ -28,7 +28,11 @@ def get_provider_info() -> dict:
         ],
         "hooks": [{"integration-name": "Ray", "python-modules": ["airflow_provider_rayllm.hooks.ray_job"]}],
         "triggers": [{"integration-name": "Ray", "python-modules": ["airflow_provider_rayllm.triggers.ray_job"]}],
-        "extra-links": ["airflow_provider_rayllm.links.RayJobLink", "airflow_provider_rayllm.links.OutputLink"],
+        "extra-links": [
+            "airflow_provider_rayllm.links.RayJobLink",
+            "airflow_provider_rayllm.links.OutputLink",
+            "airflow_provider_rayllm.links.ReportLink",
+        ],
         "connection-types": [
             {
                 "hook-class-name": "airflow_provider_rayllm.hooks.ray_job.RayJobHook",

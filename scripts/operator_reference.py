@@ -19,11 +19,50 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 OUT = REPO / "docs" / "OPERATORS.md"
 
+# The run report: what the page shows and where its link leads (links.report_browser_url).
+REPORT = """## The run report
+
+Each successful publish writes `_report.html` beside `_manifest.json` in the output prefix, just before the
+manifest, which names it (`report_uri`); folder readers skip it like every `_` name. It is one self-contained
+page (inline CSS and SVG, no script, a Content-Security-Policy that forbids scripts and fetches), made from the
+manifest's body alone by `airflow_provider_rayllm.contract.report.render(manifest)`, so it can be made again
+from any published `_manifest.json`. It shows:
+
+- rows out / in / errored / resumed, tokens in and out, output tokens per second of answering (from the
+  engine ready, or the stream's start for an endpoint, to the stream's end), wall time;
+- the estimated cost when a price was given (`price_per_hour`, `price_per_1k_input_tokens`,
+  `price_per_1k_output_tokens`), else "not priced";
+- rows answered over time (`rows_over_time`: at most 60 samples of the answered batches), with the moments
+  the engine was ready, the first file was written and the stream ended;
+- where the seconds went, from the driver's `timeline`: start-up and checks (to the plan's start), engine
+  start (the input is read meanwhile), streaming (to `stream_done_s`), checks and publish (to the manifest);
+  the seconds before the driver connected to Ray (the Jobs API's queue, the runtime environment) are not in it;
+- error rows by reason (`errors_by_reason`) with the error files, and the output files.
+
+The task's "Report" link (Details tab) opens it where a browser can:
+
+| output | link |
+|---|---|
+| local path | `file://` URL. Browsers do not follow a `file://` link from the UI's http page: open it (copy the address) in a browser on the machine that holds the file. |
+| s3:// behind `endpoint_url` (MinIO, a test server) | the object's path-style URL on that endpoint; it shows where the bucket may be read unsigned. |
+| s3:// on AWS | the object's page in the AWS console ("Open" shows the page). |
+| gs:// on GCS | `https://storage.cloud.google.com/<bucket>/<key>`: shown to a signed-in user who may read it. |
+| gs:// behind an emulator | the object's media URL on the emulator. |
+
+On S3 and GCS the page is stored with `Content-Type: text/html`. `make ui` serves Airflow's UI over the
+demo's run (docs/DEPLOYING.md).
+"""
+
 XCOM = [
     (
         "VLLMBatchOperator, HttpLLMBatchOperator",
         "`return_value`",
-        "The manifest: `output_uri` (the task's prefix), `outputs_folder` (the prefix itself: its visible files are the published rows) and `errors_folder` (`<prefix>/_errors`), `output_files` / `error_files` (URI, rows, bytes each), `rows_in` / `rows_out` / `rows_errored` / `rows_resumed`, `errors_by_reason`, token totals, `timeline`, the engine's resolved settings and, with a price, `estimated_cost`.",
+        "The manifest: `output_uri` (the task's prefix), `outputs_folder` (the prefix itself: its visible files are the published rows) and `errors_folder` (`<prefix>/_errors`), `output_files` / `error_files` (URI, rows, bytes each), `rows_in` / `rows_out` / `rows_errored` / `rows_resumed`, `errors_by_reason`, token totals, `timeline` and `rows_over_time`, `report_uri`, the engine's resolved settings and, with a price, `estimated_cost`.",
+    ),
+    (
+        "VLLMBatchOperator, HttpLLMBatchOperator",
+        "`report_url`",
+        "The run's report page (`<prefix>/_report.html`) at an address a browser opens; the task's \"Report\" link.",
     ),
     (
         "VLLMBatchOperator, HttpLLMBatchOperator",
@@ -150,7 +189,7 @@ def render() -> str:
     parts += [_row(RayJobOperator, a) for a in JOB]
     parts += ["", "## XCom\n", "| operator | key | value |", "|---|---|---|"]
     parts += [f"| {op} | {key} | {value} |" for op, key, value in XCOM]
-    parts.append("")
+    parts += ["", REPORT]
     return "\n".join(parts)
 
 

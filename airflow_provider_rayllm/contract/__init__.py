@@ -4,6 +4,7 @@
 - ``manifest``: what a finished job published, written last and returned through XCom.
 - ``names``: files in the job package, secret environment variables, log line prefixes, output columns.
 - ``progress``: the progress line the job prints and the operator reads.
+- ``report``: the run's report page, made from a manifest's body (the job writes it beside the manifest).
 - ``secrets``: which settings are secrets, and how they are kept out of what Ray shows.
 - ``storage``: paths and buckets through pyarrow filesystems (the operator reads the manifest with it).
 

@@ -46,7 +46,18 @@ class Manifest(BaseModel):
     output_tokens: int
     wall_time_s: float
     first_output_s: float | None = None
-    timeline: dict[str, float | None] = Field(default_factory=dict)
+    timeline: dict[str, float | None] = Field(
+        default_factory=dict,
+        description="Seconds from the driver's start to each moment it recorded: plan_started_s, engine_ready_s, "
+        "first_answer_s, first_output_file_s, last_answer_s, stream_done_s (None where a moment did not happen).",
+    )
+    rows_over_time: list[dict[str, float]] = Field(
+        default_factory=list,
+        description="Rows and tokens answered so far ({t_s, rows, tokens_out}), at most 60 samples over the stream.",
+    )
+    report_uri: str | None = Field(
+        None, description="The run's report page (output_uri/_report.html); None where it could not be written."
+    )
     started_at: str
     finished_at: str
     kind: str

@@ -8,6 +8,8 @@ MANIFEST_VERSION = 1
 # The published output's layout under output_uri: data files at the top level (``part-*``), everything else
 # under names that folder readers (pyarrow, pandas, Spark, Athena, DuckDB) skip, as they begin with "_".
 MANIFEST_NAME = "_manifest.json"
+# The run's report page (contract/report.py), written just before the manifest that names it.
+REPORT_NAME = "_report.html"
 SUCCESS_MARKER = "_SUCCESS"  # empty, written after the manifest (the Hadoop/Spark convention)
 ERRORS_DIR = "_errors"  # the published error rows
 GENERATIONS_DIR = "_generations"  # attempts in flight, one folder each

@@ -268,8 +268,11 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
             if ours is not None:
                 raise JobError(str(ours)) from None
             raise
+        stream_done = time.time()
         counted = progress.finish()
         timeline = progress.timeline(counted, started)
+        timeline["stream_done_s"] = round(stream_done - started, 3)
+        series = progress.series(started)
     written = totals(sink.results)
     for example in written["error_examples"]:
         log_info("error row: %s", example)
@@ -294,6 +297,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
             started_at=started_at,
             wall_time_s=time.time() - started,
             timeline=timeline,
+            rows_over_time=series,
             details=engine.details(files),
             versions={"ray": ray.__version__, **engine.versions()},
             table_rows=table_rows or 0,

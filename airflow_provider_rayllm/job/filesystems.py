@@ -40,8 +40,9 @@ def list_files(uri: str) -> list[dict[str, Any]]:
     )
 
 
-def write_bytes_atomic(uri: str, data: bytes) -> None:
-    """Readers never see half a file: local writes go through a rename, object stores put whole objects."""
+def write_bytes_atomic(uri: str, data: bytes, content_type: str | None = None) -> None:
+    """Readers never see half a file: local writes go through a rename, object stores put whole objects
+    (with ``content_type``, so that a browser shows a page the store serves)."""
     fs, path = filesystem_for(uri)
     parent = posixpath.dirname(path) if uri_scheme(uri) != "file" else os.path.dirname(path)
     fs.create_dir(parent, recursive=True)
@@ -56,7 +57,8 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
             if os.path.exists(tmp):
                 os.remove(tmp)
     else:
-        with fs.open_output_stream(path) as out:
+        metadata = {"Content-Type": content_type} if content_type else None
+        with fs.open_output_stream(path, metadata=metadata) as out:
             out.write(data)
 
 

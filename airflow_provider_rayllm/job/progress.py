@@ -21,6 +21,8 @@ from typing import Any, Callable
 from airflow_provider_rayllm.contract.progress import Progress
 
 INTERVAL_S = 10.0
+# Points of the report's rows-over-time line at most, whatever the number of batches.
+SERIES_POINTS = 60
 # A line at least this often even when nothing changed (an engine starting, a slow first batch).
 HEARTBEAT_S = 60.0
 
@@ -31,6 +33,7 @@ class StreamCounts:
     def __init__(self) -> None:
         self.reads: dict[str, tuple[int, int]] = {}
         self.answers: dict[str, tuple[int, int, int]] = {}
+        self.answer_times: dict[str, float] = {}
         self.writes: dict[str, int] = {}
         self.saved_rows = 0
         self.first_answer_at: float | None = None
@@ -51,6 +54,7 @@ class StreamCounts:
         if self.last_answer_at is None or at > self.last_answer_at:
             self.last_answer_at = at
         self.answers[key] = (rows, errored, tokens_out)
+        self.answer_times[key] = at
 
     def wrote(self, key: str, files: int, at: float) -> None:
         if self.answered_at_first_write is None:
@@ -58,6 +62,10 @@ class StreamCounts:
         if self.first_write_at is None or at < self.first_write_at:
             self.first_write_at = at
         self.writes[key] = files
+
+    def answered_series(self) -> list[tuple[float, int, int]]:
+        """(time, rows, tokens out) of each answered batch, once per key."""
+        return [(self.answer_times[k], rows, tokens) for k, (rows, _, tokens) in self.answers.items()]
 
     def totals(self) -> dict[str, Any]:
         return {
@@ -73,6 +81,26 @@ class StreamCounts:
             "first_write_at": self.first_write_at,
             "answered_at_first_write": self.answered_at_first_write,
         }
+
+
+def rows_over_time(
+    batches: list[tuple[float, int, int]], origin: float, points: int = SERIES_POINTS
+) -> list[dict[str, float]]:
+    """Rows and tokens answered so far, at most ``points`` samples: the batches in time order, summed, and of
+    each of ``points`` equal slices of the time they span, the last sample. Seconds count from ``origin``."""
+    if not batches:
+        return []
+    ordered = sorted(batches)
+    first, last = ordered[0][0], ordered[-1][0]
+    width = (last - first) / points or 1.0
+    samples: dict[int, dict[str, float]] = {}
+    rows = tokens = 0
+    for at, batch_rows, batch_tokens in ordered:
+        rows, tokens = rows + batch_rows, tokens + batch_tokens
+        # The last slice is closed, so the final batch lands in slice points - 1, not its own.
+        slot = min(int((at - first) / width), points - 1)
+        samples[slot] = {"t_s": round(at - origin, 3), "rows": rows, "tokens_out": tokens}
+    return [samples[k] for k in sorted(samples)]
 
 
 def call_key(calls: dict[str, int]) -> str:
@@ -213,6 +241,12 @@ class ProgressLog:
         self._thread.join(timeout=5)
         self._report(final=True)
         return self._last or self.totals()
+
+    def series(self, origin: float) -> list[dict[str, float]]:
+        """The report's rows-over-time samples, in seconds from ``origin`` (the driver's start)."""
+        import ray
+
+        return rows_over_time(ray.get(self.counts.answered_series.remote(), timeout=60), origin)
 
     def timeline(self, totals: dict[str, Any], origin: float) -> dict[str, float | None]:
         """Seconds from ``origin`` to each step the stream reported (None where it has none)."""

@@ -1,4 +1,4 @@
-"""`python -m airflow_provider_rayllm.local start|stop|restart|status|conn|demo|models|services`."""
+"""`python -m airflow_provider_rayllm.local start|stop|restart|status|conn|demo|models|services|ui`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from airflow_provider_rayllm.local.cluster import DEFAULT_STATE_DIR, LocalRayClu
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m airflow_provider_rayllm.local")
-    parser.add_argument("command", choices=["start", "stop", "restart", "status", "conn", "demo", "models", "services"])
+    parser.add_argument(
+        "command", choices=["start", "stop", "restart", "status", "conn", "demo", "models", "services", "ui"]
+    )
     parser.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR))
     parser.add_argument("--num-cpus", type=int, default=None)
     parser.add_argument("--worker-nodes", type=int, default=0, help="for `start`: extra raylets on this machine")
@@ -22,7 +24,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--detach", action="store_true", help="for `services`: return once they are up")
     parser.add_argument("--stop", action="store_true", help="for `services`: stop the ones --detach started")
+    parser.add_argument("--port", type=int, default=8080, help="for `ui`: the API server's port (a free one if taken)")
+    parser.add_argument(
+        "--use-environment",
+        action="store_true",
+        help="for `ui`: serve the Airflow this environment configures (AIRFLOW_HOME, its database), not the demo's",
+    )
     args = parser.parse_args(argv)
+    if args.command == "ui":
+        from airflow_provider_rayllm.local import ui
+
+        return ui.serve(args.port, home=None if args.use_environment else ui.WORK / "airflow")
     if args.command == "demo":
         from airflow_provider_rayllm.local.demo import main as demo_main
 

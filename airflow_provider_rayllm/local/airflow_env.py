@@ -11,20 +11,23 @@ from airflow_provider_rayllm.local.cluster import ClusterInfo, LocalRayCluster
 REPO_DAGS = Path(__file__).resolve().parents[2] / "dags_examples"
 
 
+def home_env(home: Path) -> dict[str, str]:
+    """Airflow's settings for the embedded stack's home: its SQLite database and our example DAGs."""
+    home.mkdir(parents=True, exist_ok=True)
+    return {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_DAGS),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+    }
+
+
 def airflow_env(home: Path, cluster: LocalRayCluster, info: ClusterInfo, output_base: Path) -> dict[str, str]:
     env = cluster.env()
-    home.mkdir(parents=True, exist_ok=True)
-    env.update(
-        {
-            "AIRFLOW_HOME": str(home),
-            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_DAGS),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
-            "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
-            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
-            "AIRFLOW_CONN_RAY_DEFAULT": info.airflow_conn_uri(output_base=str(output_base)),
-        }
-    )
+    env.update(home_env(home))
+    env["AIRFLOW_CONN_RAY_DEFAULT"] = info.airflow_conn_uri(output_base=str(output_base))
     return env
 
 

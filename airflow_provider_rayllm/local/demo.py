@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from airflow_provider_rayllm.contract.names import MANIFEST_NAME
 from airflow_provider_rayllm.local import models
 from airflow_provider_rayllm.local.airflow_env import airflow_bin, airflow_env, migrate
 from airflow_provider_rayllm.local.cluster import LocalRayCluster
-
-WORK = Path.home() / ".cache" / "airflow_provider_rayllm" / "demo"
+from airflow_provider_rayllm.local.ui import WORK, latest_demo_manifest
 
 
 def _say(msg: str) -> None:
@@ -50,12 +48,9 @@ def run_demo(work: Path = WORK) -> dict:
     finally:
         cluster.stop()
         _say("stopped the local Ray head")
-    manifests = sorted(
-        output_base.glob(f"example_vllm_batch/*/answer/{MANIFEST_NAME}"), key=lambda p: p.stat().st_mtime
-    )
-    if not manifests:
+    manifest = latest_demo_manifest(work)
+    if manifest is None:
         raise SystemExit(f"the DAG run wrote no manifest under {output_base}")
-    manifest = json.loads(manifests[-1].read_text())
     rows = []
     for f in manifest["output_files"]:
         rows.extend(pq.read_table(f["uri"]).to_pylist())
@@ -63,6 +58,9 @@ def run_demo(work: Path = WORK) -> dict:
     for row in rows[:5]:
         print(f"Q: {row['prompt']}\nA: {row['response'].strip()}\n", flush=True)
     _say(f"demo finished in {time.time() - started:.0f} s; outputs under {manifest['outputs_folder']}")
+    if manifest.get("report_uri"):
+        _say(f"the run's report: {manifest['report_uri']} (open it in a browser)")
+    _say("to see the run in Airflow's UI: make ui")
     return manifest
 
 

@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from airflow_provider_rayllm.contract.names import SINK_SQL_URI_ENV, SQL_URI_ENV
 from airflow_provider_rayllm.contract.spec import RunSpec, SpecError
-from airflow_provider_rayllm.links import OUTPUT_URL_XCOM, OutputLink, RayJobLink, output_browser_url
+from airflow_provider_rayllm.links import (
+    OUTPUT_URL_XCOM,
+    REPORT_URL_XCOM,
+    OutputLink,
+    RayJobLink,
+    ReportLink,
+    output_browser_url,
+    report_browser_url,
+)
 from airflow_provider_rayllm.operators import credentials
 from airflow_provider_rayllm.operators.base import RayJobOperator, default_output_uri
 
@@ -66,7 +74,7 @@ def callable_ref(fn: Callable | str | None, name: str, package_dir: Path) -> dic
 class BatchOperator(RayJobOperator):
     """Rows in, one engine's answers out: the arguments and steps both batch operators share."""
 
-    operator_extra_links = (RayJobLink(), OutputLink())
+    operator_extra_links = (RayJobLink(), OutputLink(), ReportLink())
 
     def resolve_output_uri(self, run: RunSpec) -> str:
         if self.output_uri:
@@ -163,6 +171,17 @@ class BatchOperator(RayJobOperator):
         # Pushed even when empty (a local folder): Airflow reads every extra link's key when the task ends, and
         # logs an error for a key that is missing.
         context["ti"].xcom_push(key=OUTPUT_URL_XCOM, value=url or "")
+        report = manifest.get("report_uri")
+        report_url = (
+            report_browser_url(
+                report,
+                s3_endpoint=secrets.get("AWS_ENDPOINT_URL_S3") or secrets.get("AWS_ENDPOINT_URL"),
+                gcs_endpoint=secrets.get("STORAGE_EMULATOR_HOST"),
+            )
+            if report
+            else ""
+        )
+        context["ti"].xcom_push(key=REPORT_URL_XCOM, value=report_url)
         self._annotate_outlets(context, manifest)
         cost = manifest.get("estimated_cost")
         self.log.info(
@@ -177,6 +196,8 @@ class BatchOperator(RayJobOperator):
             f"; estimated cost {cost:.4f}" if cost is not None else "",
             manifest["outputs_folder"],
         )
+        if report_url:
+            self.log.info("Run report: %s", report_url)
         if manifest["rows_errored"]:
             self.log.warning(
                 "%d error rows (%s) are in %s",

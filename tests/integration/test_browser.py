@@ -1,10 +1,12 @@
 """The Airflow UI in a real browser: Airflow's API server on loopback, headless Chromium driven by Playwright.
 
 A finished run comes first (the shipped quickstart DAG under dag.test() in the test database, shared
-with the other tests); then `airflow dags reserialize` puts every DAG of both bundles in the database, and the
-API server serves the UI over it. The browser checks that the example DAGs are listed, that "Trigger"
-shows the example's Params as a form, and that the finished task shows the "Ray job" link (Details tab) to
-the job's page in the Ray dashboard. Screenshots go to tests/artifacts/browser/.
+with the other tests); then `make ui`'s command (`python -m airflow_provider_rayllm.local ui`, here over the
+test database) puts every DAG of both bundles in the database and becomes the API server that serves the UI
+over it. The REST API answers for the run; the browser checks that the example DAGs are listed, that
+"Trigger" shows the example's Params as a form, that the finished task shows the "Ray job" link (Details
+tab) to the job's page in the Ray dashboard and the "Report" link to the run's report, and that the report
+shows the run's rows and its chart. Screenshots go to tests/artifacts/browser/.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import quote, unquote, urlparse
 
 import pytest
 
-from tests.integration.helpers import assert_succeeded, xcom
+from tests.integration.helpers import assert_succeeded, read_rows, xcom
 
 pytestmark = pytest.mark.integration
 
@@ -52,6 +55,8 @@ def finished_run(quickstart_run):
         "run_id": dag_run.run_id,
         "task_id": "answer",
         "job_url": xcom(dag_run.dag_id, dag_run.run_id, "answer", "ray_job_url"),
+        "report_url": xcom(dag_run.dag_id, dag_run.run_id, "answer", "report_url"),
+        "manifest": quickstart_run["manifest"],
     }
 
 
@@ -61,24 +66,17 @@ def api_server(finished_run, test_home, service_logs):
 
     env = dict(os.environ)
     env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS"] = "True"
-    serialized = _airflow("dags", "reserialize", env=env)
-    assert serialized.returncode == 0, serialized.stderr[-3000:]
-    errors = _airflow("dags", "list-import-errors", "-o", "json", env=env)
-    assert errors.returncode == 0, errors.stderr[-3000:]
-    listed = json.loads(errors.stdout.strip() or "[]") if errors.stdout.strip().startswith("[") else []
-    assert listed == [], f"DAG import errors: {listed}"
-
     port = free_port()
     log = open(service_logs / "api-server.log", "w")
-    airflow = str(Path(sys.executable).with_name("airflow"))
+    # `make ui` as a user runs it, over the test database instead of the demo's.
     proc = subprocess.Popen(
-        [airflow, "api-server", "-H", "127.0.0.1", "-p", str(port), "-w", "1"],
+        [sys.executable, "-m", "airflow_provider_rayllm.local", "ui", "--use-environment", "--port", str(port)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
+    deadline = time.time() + 300
     while True:
         try:
             with urllib.request.urlopen(f"{url}/api/v2/monitor/health", timeout=5) as resp:
@@ -90,13 +88,24 @@ def api_server(finished_run, test_home, service_logs):
             proc.kill()
             raise AssertionError(f"the API server did not come up; log: {service_logs / 'api-server.log'}")
         time.sleep(1)
+    # `ui` serialized the DAGs before it became the server: none may fail to import.
+    errors = _airflow("dags", "list-import-errors", "-o", "json", env=env)
+    listed = json.loads(errors.stdout.strip() or "[]") if errors.stdout.strip().startswith("[") else []
+    if errors.returncode != 0 or listed:
+        proc.kill()
+        raise AssertionError(f"DAG import errors: {listed or errors.stderr[-3000:]}")
     yield url
+    # Stopping `make ui` (Ctrl-C or SIGTERM) stops the server: the port is free again.
     proc.terminate()
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-    log.close()
+        raise AssertionError("`ui` did not stop within 30 s of SIGTERM") from None
+    finally:
+        log.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{url}/api/v2/monitor/health", timeout=5)
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +153,43 @@ def test_finished_task_shows_the_ray_job_link(page, api_server, finished_run):
         raise
     assert run["job_url"] and link.first.get_attribute("href") == run["job_url"]
     page.screenshot(path=str(SHOTS / "task-ray-job-link.png"), full_page=True)
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        assert resp.status == 200, url
+        return json.loads(resp.read())
+
+
+def test_ui_serves_its_health_and_the_run_through_the_rest_api(api_server, finished_run):
+    run = finished_run
+    health = _get_json(f"{api_server}/api/v2/monitor/health")
+    assert health["metadatabase"]["status"] == "healthy", health
+    dag_run = _get_json(f"{api_server}/api/v2/dags/{run['dag_id']}/dagRuns/{quote(run['run_id'], safe='')}")
+    assert (dag_run["dag_run_id"], dag_run["state"]) == (run["run_id"], "success")
+    task = _get_json(
+        f"{api_server}/api/v2/dags/{run['dag_id']}/dagRuns/{quote(run['run_id'], safe='')}/taskInstances/{run['task_id']}"
+    )
+    assert task["state"] == "success"
+
+
+def test_finished_task_links_its_report_which_shows_the_runs_rows_and_a_chart(page, api_server, finished_run):
+    run, manifest = finished_run, finished_run["manifest"]
+    page.goto(f"{api_server}/dags/{run['dag_id']}/runs/{run['run_id']}/tasks/{run['task_id']}/details")
+    link = page.get_by_role("link", name="Report")
+    try:
+        link.first.wait_for()
+    except Exception:
+        page.screenshot(path=str(SHOTS / "task-report-link-FAILED.png"), full_page=True)
+        raise
+    href = link.first.get_attribute("href")
+    assert href and href == run["report_url"] and href.startswith("file://")
+    assert unquote(urlparse(href).path) == manifest["report_uri"]
+    # Browsers do not follow a file:// link from an http page; a person opens it on this machine, as here.
+    page.goto(href)
+    assert page.locator("#rows-out").inner_text() == f"{manifest['rows_out']:,}"
+    assert manifest["rows_out"] == len(read_rows(manifest["output_files"]))
+    chart = page.locator("svg.chart#rows-over-time")
+    assert chart.count() == 1 and chart.bounding_box()["height"] > 50
+    assert chart.locator("polyline").count() == 1
+    page.screenshot(path=str(SHOTS / "report.png"), full_page=True)

@@ -250,3 +250,20 @@ def test_without_a_lease_the_start_in_the_name_decides(tmp_path, seconds_ago, go
     g = _generation_with_start(prefix, "manual__9", seconds_ago)
     mine = generations.start(_spec(str(prefix), "manual__1"))
     assert (g.name in generations.remove_older(str(prefix), mine)) is gone
+
+
+def test_the_report_is_written_beside_the_manifest_which_names_it_and_readers_skip_it(tmp_path):
+    from airflow_provider_rayllm.contract import report
+    from airflow_provider_rayllm.contract.names import REPORT_NAME
+
+    prefix = tmp_path / "reviews" / "2026-12-01"
+    body = _publish(prefix, "manual__1", "first")
+    page = prefix / REPORT_NAME
+    assert body["report_uri"] == str(page) and read_manifest(str(prefix))["report_uri"] == str(page)
+    # Made from the manifest alone: the published manifest makes the same page again.
+    assert page.read_text() == report.render(read_manifest(str(prefix)))
+    assert f'<b id="rows-out">{body["rows_out"]}</b>' in page.read_text()
+    assert pq.read_table(str(prefix)).num_rows == body["rows_out"], "folder readers skip the page"
+    # A second publish replaces the page with its own figures.
+    body = _publish(prefix, "manual__2", "second", n=7)
+    assert f'<b id="rows-out">{body["rows_out"]}</b>' in page.read_text()

@@ -33,6 +33,7 @@ def build(
     details: dict[str, Any],
     versions: dict[str, str],
     table_rows: int = 0,
+    rows_over_time: list[dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     table = spec.sink.table
     body = {
@@ -57,6 +58,7 @@ def build(
         "wall_time_s": round(wall_time_s, 3),
         "first_output_s": timeline.get("first_output_file_s"),
         "timeline": timeline,
+        "rows_over_time": rows_over_time or [],
         "started_at": started_at,
         "finished_at": datetime.now(timezone.utc).isoformat(),
         "kind": spec.kind,

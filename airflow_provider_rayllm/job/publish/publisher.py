@@ -8,12 +8,14 @@ Nothing is published before ``check`` passes. The table commits from the generat
 
     <prefix>/part-<gen short>-NNNNN.parquet|jsonl   the published rows (nothing else visible)
     <prefix>/_manifest.json                         what is published, written after the files are in place
+    <prefix>/_report.html                           the run's report page, made from the manifest's body
     <prefix>/_SUCCESS                               empty, written last
     <prefix>/_errors/part-<gen short>-NNNNN.*       the published error rows
     <prefix>/_generations/<generation>/             attempts in flight, each with its lease
 
 in this order: (1) ``_SUCCESS`` goes; (2) the generation's files move to the top level and to ``_errors/``
-under names no other generation's files have (its short id); (3) ``_manifest.json`` names them; (4) data
+under names no other generation's files have (its short id); (3) ``_report.html``, then ``_manifest.json``
+naming them and it; (4) data
 files that the manifest does not name go (an earlier publish's, or leftovers of a crash); (5) ``_SUCCESS``
 is written; then ``remove_older`` removes this generation's emptied folder, this task instance's older
 ones and any other task instance's whose lease expired.
@@ -34,7 +36,8 @@ import posixpath
 import re
 from typing import Any, Callable
 
-from airflow_provider_rayllm.contract.names import ERRORS_DIR, SUCCESS_MARKER
+from airflow_provider_rayllm.contract import report
+from airflow_provider_rayllm.contract.names import ERRORS_DIR, REPORT_NAME, SUCCESS_MARKER
 from airflow_provider_rayllm.contract.spec import JobSpec
 from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.errors import JobError
@@ -154,6 +157,7 @@ class Publisher:
         details: dict[str, Any],
         versions: dict[str, str],
         table_rows: int = 0,
+        rows_over_time: list[dict[str, float]] | None = None,
     ) -> dict[str, Any]:
         """The manifest's body for this generation."""
         return manifest.build(
@@ -171,6 +175,7 @@ class Publisher:
             details=details,
             versions=versions,
             table_rows=table_rows,
+            rows_over_time=rows_over_time or [],
         )
 
     def publish(self, written: dict[str, Any], build: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
@@ -180,6 +185,7 @@ class Publisher:
         self.clear_success()
         self.move_into_place(written)
         body = build(written)
+        body["report_uri"] = self.write_report(body)
         self.write_manifest(body)
         self.remove_unlisted(body)
         self.mark_success()
@@ -218,6 +224,18 @@ class Publisher:
                 filesystems.move_file(f["uri"], target)
                 moved.append({**f, "uri": target})
             written[key] = moved
+
+    def write_report(self, body: dict[str, Any]) -> str | None:
+        """(3, first) The run's report page beside the manifest, made from its body, before the manifest that
+        names it; a page that cannot be written is said and left out, never a reason to fail the publish."""
+        uri = filesystems.join(self.output_uri, REPORT_NAME)
+        try:
+            page = report.render({**body, "report_uri": uri})
+            filesystems.write_bytes_atomic(uri, page.encode(), content_type="text/html; charset=utf-8")
+        except Exception as exc:
+            log.warning("the run report %s was not written: %s: %s", uri, type(exc).__name__, exc)
+            return None
+        return uri
 
     def write_manifest(self, body: dict[str, Any]) -> None:
         """(3) Publish: the manifest names the files now in place."""
