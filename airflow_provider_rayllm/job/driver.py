@@ -268,6 +268,8 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
             if ours is not None:
                 raise JobError(str(ours)) from None
             raise
+        finally:
+            source.close()
         counted = progress.finish()
         timeline = progress.timeline(counted, started)
     written = totals(sink.results)
