@@ -205,6 +205,32 @@ def postgres_dsn() -> str:
     return dsn
 
 
+@pytest.fixture(scope="session")
+def mysql_uri() -> str:
+    """The MariaDB/MySQL server on the machine. Missing: a skip for a user, a failure in CI."""
+    uri = os.environ.get("RAYLLM_TEST_MYSQL", "mysql://root@127.0.0.1:3306/test")
+    try:
+        import urllib.parse
+
+        import pymysql
+
+        parts = urllib.parse.urlsplit(uri)
+        pymysql.connect(
+            host=parts.hostname,
+            port=parts.port or 3306,
+            user=parts.username or "",
+            password=parts.password or "",
+            database=parts.path.lstrip("/"),
+            connect_timeout=5,
+        ).close()
+    except Exception as exc:
+        message = f"no MySQL/MariaDB at {uri}: {exc}"
+        if os.environ.get("CI"):
+            pytest.fail(message + " (CI requires it)")
+        pytest.skip(message)
+    return uri
+
+
 # Native libraries this process loads (Ray's core worker for the in-process Ray tests, grpc, torch) can crash
 # while the interpreter tears itself down after the last test (CI saw "Segmentation fault" printed after a
 # complete summary, turning the run's exit status into 139). Once pytest has reported, the outcome is

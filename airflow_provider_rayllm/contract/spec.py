@@ -148,12 +148,14 @@ class SqlSource(_Strict):
         description="Database kind, from the Airflow connection.", json_schema_extra=HIDDEN
     )
     shard_keys: list[str] | None = Field(
-        None, description="Columns to split the query into parallel reads.", json_schema_extra=arg("sql_shard_keys")
+        None,
+        description="Columns to split the query into parallel reads sharing one snapshot (PostgreSQL; MySQL and SQLite read with one reader).",
+        json_schema_extra=arg("sql_shard_keys"),
     )
     parallelism: int | None = Field(
         None,
         ge=1,
-        description="Number of parallel reads when sql_shard_keys are given.",
+        description="Number of parallel reads when sql_shard_keys are given (default 4).",
         json_schema_extra=arg("sql_parallelism"),
     )
 

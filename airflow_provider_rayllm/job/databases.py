@@ -11,15 +11,6 @@ from typing import Any
 from airflow_provider_rayllm.contract.names import SQL_URI_ENV
 from airflow_provider_rayllm.job.errors import JobError
 
-# The hash function Ray's sharded reads call on SQLite (see ``sources.sql.SHARD_HASH``), ours.
-SQLITE_SHARD_HASH = "rayllm_shard_hash"
-
-
-def _stable_hash(value: Any) -> int:
-    import zlib
-
-    return zlib.crc32(str(value).encode("utf-8"))
-
 
 def connect(dialect: str, env_name: str = SQL_URI_ENV) -> Any:
     uri = os.environ.get(env_name)
@@ -35,14 +26,7 @@ def connect(dialect: str, env_name: str = SQL_URI_ENV) -> Any:
         path = uri.removeprefix("sqlite:")
         if not os.path.exists(path):
             raise JobError(f"the SQLite database {path!r} does not exist on the cluster")
-        conn = sqlite3.connect(path)
-        # SQLite has no hash function (nor CONCAT before 3.44) for Ray's sharded reads: ours.
-        conn.create_function(SQLITE_SHARD_HASH, 1, _stable_hash, deterministic=True)
-        if sqlite3.sqlite_version_info < (3, 44):
-            conn.create_function(
-                "CONCAT", -1, lambda *parts: "".join("" if p is None else str(p) for p in parts), deterministic=True
-            )
-        return conn
+        return sqlite3.connect(path)
     if dialect == "mysql":
         import pymysql
 

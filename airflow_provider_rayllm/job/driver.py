@@ -251,6 +251,8 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     # 2. This attempt's own folder; with an id column, the answers an earlier attempt saved.
     publisher = Publisher.start(spec, submission_id)
     saved = publisher.find_saved()
+    for repaired in publisher.repair_table():
+        log_info("output table: %s", repaired)
     log_info("writing generation %s (%d saved file(s) of earlier attempts to resume from)", publisher.uri, len(saved))
 
     # 3. The stream, once.
@@ -268,6 +270,8 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
             if ours is not None:
                 raise JobError(str(ours)) from None
             raise
+        finally:
+            source.close()
         stream_done = time.time()
         counted = progress.finish()
         timeline = progress.timeline(counted, started)
@@ -281,13 +285,13 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     publisher.adopt_saved()
     rows_in = publisher.check(counted, written)
 
-    # 5. Publish: the table (all or nothing), then the files to the prefix and the manifest, then older
-    # generations go.
-    table_rows = publisher.commit_table(written)
+    # 5. Publish: the table's rows staged, then the files to the prefix and the manifest (the table switched
+    # with it), then older generations go.
+    table_rows = publisher.stage_table(written)
     if table_rows is not None and spec.sink.table is not None:
         t = spec.sink.table
-        log_info("output table %s: %d rows for run key %s", t.table, table_rows, t.run_key)
-        failpoint("after_table_commit")
+        log_info("output table %s: %d rows staged for run key %s", t.table, table_rows, t.run_key)
+        failpoint("after_table_stage")
     body = publisher.publish(
         written,
         lambda files: publisher.build_manifest(

@@ -89,6 +89,10 @@ class BatchOperator(RayJobOperator):
     def already_published(self, spec: Any) -> dict[str, Any] | None:
         from airflow_provider_rayllm.contract.storage import read_manifest
 
+        if spec.sink.table is not None:
+            # The manifest is written just before the table's switch commits: only a job (whose start
+            # completes a switch a crash cut short) can tell that the table agrees with it.
+            return None
         try:
             manifest = read_manifest(spec.sink.uri, {**os.environ, **self.secrets()})
         except Exception as exc:  # a prefix only the cluster can read: Ray's memory decides alone

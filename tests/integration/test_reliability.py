@@ -189,58 +189,6 @@ def test_a_restarted_head_is_job_lost_and_the_retry_runs_a_new_job(restartable_c
     )
 
 
-def test_a_crash_between_the_table_and_the_manifest_is_repaired_by_the_retry(ray_conn, echo, test_home, monkeypatch):
-    """The driver ends right after the table's commit (RAYLLM_FAILPOINT), before the manifest: the table's
-    rows name a generation no manifest names; the retry replaces them with its own and publishes."""
-    import sqlite3
-
-    from airflow_provider_rayllm.exceptions import RayJobFailed
-    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
-    from airflow_provider_rayllm.job.driver import FAILPOINT_ENV
-
-    n = 24
-    db = test_home / "table-crash.sqlite"
-    sqlite3.connect(db).close()
-    monkeypatch.setenv("AIRFLOW_CONN_TABLE_CRASH", json.dumps({"conn_type": "sqlite", "host": str(db)}))
-    output_uri = test_home / "out" / "table-crash"
-    input_uri = _rows(test_home, "tablecrash", n)
-
-    def op(**kw):
-        return _http_op(
-            "table_crash", input_uri, str(output_uri), output_table="answers", output_table_conn_id="table_crash", **kw
-        )
-
-    def table_rows() -> list[tuple]:
-        with sqlite3.connect(db) as conn:
-            return conn.execute("SELECT id, rayllm_generation, rayllm_run_key FROM answers").fetchall()
-
-    ti = StandInTI("reliability", "manual__table_crash", "table_crash")
-    with pytest.raises(RayJobFailed):
-        op(job_runtime_env={"env_vars": {FAILPOINT_ENV: "after_table_commit"}}).execute({"ti": ti})
-    assert "failpoint after_table_commit" in RayJobHook().get_job_logs(ti.xcom["submission_id"])
-    assert not (output_uri / "_manifest.json").exists()
-    crashed = table_rows()
-    crashed_generations = {g for _, g, _ in crashed}
-    assert len(crashed) == n and len(crashed_generations) == 1, "the table was committed before the crash"
-
-    retry_ti = StandInTI("reliability", "manual__table_crash", "table_crash", try_number=2)
-    manifest = op().execute({"ti": retry_ti})
-    after = table_rows()
-    assert sorted(i for i, _, _ in after) == list(range(n)), "one row per input row, none twice"
-    assert {g for _, g, _ in after} == {manifest["generation"]}, "every row is from the published generation"
-    assert manifest["generation"] not in crashed_generations
-    assert manifest["output_table"]["rows"] == n
-    assert not (output_uri / "_generations" / crashed_generations.pop()).exists(), "the crashed attempt's folder went"
-    record_figure(
-        "table_manifest_crash",
-        rows=n,
-        table_rows_after_crash=len(crashed),
-        manifest_after_crash=False,
-        table_rows_after_retry=len(after),
-        rows_from_the_published_generation=sum(g == manifest["generation"] for _, g, _ in after),
-    )
-
-
 def test_two_runs_into_one_prefix_at_once_both_publish_and_the_prefix_reads_as_the_published_one(
     ray_conn, echo, test_home
 ):

@@ -22,14 +22,14 @@ from airflow_provider_rayllm.job.sinks.files import ERRORS, OUTPUTS
 from airflow_provider_rayllm.job.sources import files as source_files
 
 
-def _spec(prefix: str, run_id: str, id_column: str | None = None):
+def _spec(prefix: str, run_id: str, id_column: str | None = None, table: dict | None = None):
     prompt = {"prompt_column": "q", **({"id_column": id_column} if id_column else {})}
     return parse_spec(
         {
             "source": {"uris": ["/in.jsonl"]},
             "prompt": prompt,
             "processor": {"model_source": "/m"},
-            "sink": {"uri": prefix},
+            "sink": {"uri": prefix, **({"table": table} if table else {})},
             "run": {"dag_id": "reviews", "run_id": run_id, "task_id": "answer"},
         }
     )
@@ -42,10 +42,13 @@ def _write(folder, name: str, rows: list[dict]) -> dict:
     return {"uri": str(path), "rows": len(rows), "bytes": path.stat().st_size}
 
 
-def _attempt(prefix, run_id: str, word: str, n: int = 10, errors: int = 1) -> tuple[Publisher, dict]:
+def _attempt(
+    prefix, run_id: str, word: str, n: int = 10, errors: int = 1, table: dict | None = None
+) -> tuple[Publisher, dict]:
     """A generation of the task instance ``run_id`` as the stream leaves it: its lease and its files (the
     answers in two files, ``errors`` error rows in one)."""
-    publisher = Publisher(_spec(str(prefix), run_id), generations.start(_spec(str(prefix), run_id)))
+    spec = _spec(str(prefix), run_id, table=table)
+    publisher = Publisher(spec, generations.start(spec))
     generations.write_lease(str(prefix), publisher.generation.name, f"sub-{word}")
     outputs, errs = prefix / "_generations" / publisher.generation.name / OUTPUTS, None
     rows = [{"id": i, "response": f"{word} {i}"} for i in range(n)]
@@ -267,3 +270,65 @@ def test_the_report_is_written_beside_the_manifest_which_names_it_and_readers_sk
     # A second publish replaces the page with its own figures.
     body = _publish(prefix, "manual__2", "second", n=7)
     assert f'<b id="rows-out">{body["rows_out"]}</b>' in page.read_text()
+
+
+def test_the_table_and_the_manifest_name_one_generation_across_a_crash_on_either_side_of_the_manifest(
+    tmp_path, monkeypatch
+):
+    """With an output table (SQLite): a crash after the rows are staged leaves the table and the manifest on
+    the first publish; a crash after the manifest is written, before the table's switch commits, is
+    completed by the next attempt's repair before it stages its own rows; that attempt leaves both on its
+    generation."""
+    import sqlite3
+
+    from airflow_provider_rayllm.contract.names import SINK_SQL_URI_ENV
+
+    db = tmp_path / "w.sqlite"
+    sqlite3.connect(db).close()
+    monkeypatch.setenv(SINK_SQL_URI_ENV, f"sqlite:{db}")
+    prefix = tmp_path / "out"
+    table = {"table": "answers", "dialect": "sqlite", "run_key": "reviews/manual__1/answer/-1"}
+
+    def attempt(word: str) -> tuple[Publisher, dict, list[str]]:
+        publisher, written = _attempt(prefix, "manual__1", word, table=table)
+        publisher.find_saved()
+        repaired = publisher.repair_table()
+        publisher.stage_table(written)
+        return publisher, written, repaired
+
+    def answers() -> tuple[set[str], str]:
+        """(the generations a reader of the table sees, the generation a reader of the manifest sees)"""
+        with sqlite3.connect(db) as conn:
+            in_table = {g for (g,) in conn.execute("SELECT rayllm_generation FROM answers")}
+        return in_table, read_manifest(str(prefix))["generation"]
+
+    first, written, _ = attempt("first")
+    first.publish(written, _build(first, 11))
+    assert answers() == ({first.generation.name}, first.generation.name)
+
+    staged, _, _ = attempt("staged-then-crashed")  # the driver died before the manifest
+    assert answers() == ({first.generation.name}, first.generation.name), "both still the first publish"
+
+    crashed, written, repaired = attempt("manifest-then-crashed")
+    assert repaired == [f"dropped staged generation {staged.generation.name} (no manifest names it)"]
+
+    def write_then_die(body: dict) -> None:
+        Publisher.write_manifest(crashed, body)
+        raise SystemExit("the driver died after the manifest")  # its open switch goes with its connection
+
+    monkeypatch.setattr(crashed, "write_manifest", write_then_die)
+    with pytest.raises(SystemExit):
+        crashed.publish(written, _build(crashed, 11))
+    assert answers() == ({first.generation.name}, crashed.generation.name), "the window: the switch rolled back"
+
+    last, written, repaired = attempt("last")
+    assert repaired == [
+        f"switched in generation {crashed.generation.name} (the manifest names it; a crash cut its switch short)"
+    ]
+    last.publish(written, _build(last, 11))
+    assert answers() == ({last.generation.name}, last.generation.name)
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM answers").fetchone()[0] == 10, "one row per answer, none twice"
+        ledger = conn.execute("SELECT generation, state FROM rayllm_table_generations").fetchall()
+        staging = conn.execute("SELECT name FROM sqlite_master WHERE name LIKE 'rayllm_staged_%'").fetchall()
+    assert ledger == [(last.generation.name, "published")] and staging == []

@@ -1,10 +1,13 @@
 """One attempt's output, from its folder to the published prefix, in the steps the driver calls in order:
 
-    Publisher.start (the lease) -> find_saved -> (the stream writes into the generation's outputs and errors)
-    -> adopt_saved -> check -> commit_table -> publish -> remove_older
+    Publisher.start (the lease) -> find_saved -> repair_table -> (the stream writes into the generation's
+    outputs and errors) -> adopt_saved -> check -> stage_table -> publish -> remove_older
 
-Nothing is published before ``check`` passes. The table commits from the generation's files. Then
-``publish`` lays the output out for plain folder readers, which skip names that begin with ``_`` or ``.``::
+Nothing is published before ``check`` passes. With an output table, ``stage_table`` stages the generation's
+rows out of the readers' way, and ``publish`` switches them in with one transaction that commits right after
+the manifest is written (see ``sinks.table``): the table and the manifest name the same generation, and
+``repair_table`` completes a switch that a crash cut short. ``publish`` lays the output out for plain folder
+readers, which skip names that begin with ``_`` or ``.``::
 
     <prefix>/part-<gen short>-NNNNN.parquet|jsonl   the published rows (nothing else visible)
     <prefix>/_manifest.json                         what is published, written after the files are in place
@@ -15,7 +18,7 @@ Nothing is published before ``check`` passes. The table commits from the generat
 
 in this order: (1) ``_SUCCESS`` goes; (2) the generation's files move to the top level and to ``_errors/``
 under names no other generation's files have (its short id); (3) ``_report.html``, then ``_manifest.json``
-naming them and it; (4) data
+naming them and it (inside the output table's switch, which commits right after); (4) data
 files that the manifest does not name go (an earlier publish's, or leftovers of a crash); (5) ``_SUCCESS``
 is written; then ``remove_older`` removes this generation's emptied folder, this task instance's older
 ones and any other task instance's whose lease expired.
@@ -34,13 +37,15 @@ from __future__ import annotations
 import logging
 import posixpath
 import re
-from typing import Any, Callable
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager
 
 from airflow_provider_rayllm.contract import report
 from airflow_provider_rayllm.contract.names import ERRORS_DIR, REPORT_NAME, SUCCESS_MARKER
 from airflow_provider_rayllm.contract.spec import JobSpec
 from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.errors import JobError
+from airflow_provider_rayllm.job.failpoints import failpoint
 from airflow_provider_rayllm.job.publish import generations, manifest, resume
 from airflow_provider_rayllm.job.publish.lease import Lease
 from airflow_provider_rayllm.job.sinks.files import ERRORS, OUTPUTS
@@ -95,6 +100,7 @@ class Publisher:
         self.published_errors = filesystems.join(self.output_uri, ERRORS_DIR)
         self.saved: list[str] = []
         self.adopted: list[dict[str, Any]] = []
+        self.published: dict[str, Any] | None = None
 
     @classmethod
     def start(cls, spec: JobSpec, submission_id: str = "") -> Publisher:
@@ -105,7 +111,7 @@ class Publisher:
 
     def find_saved(self) -> list[str]:
         """With an id column: the output files this run's earlier, unpublished attempts saved (resume)."""
-        published = manifest.read(self.output_uri)
+        published = self.published = manifest.read(self.output_uri)
         self.saved = (
             resume.saved_files(self.output_uri, self.generation, (published or {}).get("generation"))
             if self.spec.prompt.id_column
@@ -134,16 +140,40 @@ class Publisher:
         check_error_fraction(written["rows_errored"], rows_in, self.spec.limits.max_error_fraction, self.errors_folder)
         return rows_in
 
-    def commit_table(self, written: dict[str, Any]) -> int | None:
-        """The output files into the output table, all or nothing; the rows written, None without a table."""
+    def repair_table(self) -> list[str]:
+        """With an output table: the generation the published manifest names switched in if a crash left it
+        staged, and staged generations no manifest names dropped (``publish.table_switch.repair``). Call after
+        ``find_saved`` (which reads the manifest). Returns what it did."""
+        table = self.spec.sink.table
+        if table is None:
+            return []
+        from airflow_provider_rayllm.job.publish import table_switch
+
+        named = (self.published or {}).get("output_table") or {}
+        same = named.get("table") == table.table and named.get("run_key") == table.run_key
+        generation = (self.published or {}).get("generation") if same else None
+        return table_switch.repair(table.dialect, table.table, table.run_key, generation)
+
+    def stage_table(self, written: dict[str, Any]) -> int | None:
+        """The output files into this generation's staging table (the output table's rows untouched until
+        ``publish``); the rows staged, None without a table."""
         table = self.spec.sink.table
         if table is None:
             return None
         from airflow_provider_rayllm.job.sinks import table as table_sink
 
-        return table_sink.write(
+        return table_sink.stage(
             [f["uri"] for f in written["output_files"]], table.dialect, table.table, table.run_key, self.generation.name
         )
+
+    def table_switch(self) -> ContextManager[None]:
+        """The output table's switch to this generation, held open around the manifest's write."""
+        table = self.spec.sink.table
+        if table is None:
+            return nullcontext()
+        from airflow_provider_rayllm.job.publish import table_switch
+
+        return table_switch.switched(table.dialect, table.table, self.generation.name)
 
     def build_manifest(
         self,
@@ -186,7 +216,9 @@ class Publisher:
         self.move_into_place(written)
         body = build(written)
         body["report_uri"] = self.write_report(body)
-        self.write_manifest(body)
+        with self.table_switch():
+            self.write_manifest(body)
+            failpoint("after_manifest")
         self.remove_unlisted(body)
         self.mark_success()
         return body

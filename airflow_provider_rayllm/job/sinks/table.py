@@ -1,9 +1,26 @@
-"""Optional warehouse output: the published output files, written into a table at publish, all or nothing.
+"""Optional warehouse output: the published rows in a table, switched together with the manifest.
 
-The files the stream wrote are read one at a time and inserted in batches inside one transaction, which
-first deletes the rows this run wrote before (matched on the run key column): a rerun replaces its rows
-instead of adding copies, a failure leaves the table as it was, and the driver never holds more than one
-file. Each row also names the generation it came from, the one the manifest names once published.
+The table and the prefix's manifest are two stores with no transaction in common, so the table's rows are
+written in two steps around the manifest, and every run first repairs what a crash left:
+
+1. ``stage`` (before the manifest): the output files are read one at a time and inserted in batches into a
+   staging table of this generation's own (``rayllm_staged_<id>``, beside the output table, with its column
+   types), and the ledger ``rayllm_table_generations`` records the generation as ``staged``; one commit.
+   Readers of the output table see nothing new: a crash here leaves the old rows and the old manifest.
+2. ``switched`` (around the manifest's write): one transaction deletes the run key's rows, copies the staged
+   rows in, and marks the generation ``published`` in the ledger (the run key's earlier ``published`` entry
+   goes); the manifest is written while that transaction is open and it commits right after. A failure
+   before the manifest rolls it back (both old); the commit follows the manifest's write by one round trip.
+   If the commit itself fails, the switch is tried again in a new transaction.
+3. ``repair`` (at the start of every run of the run key): if the published manifest names a generation the
+   ledger still calls ``staged`` (the driver died between the manifest and the commit), it is switched in
+   now; staged generations no manifest names (attempts that died before the manifest) are dropped. Each
+   step is idempotent: a switch of a ``published`` generation changes nothing.
+
+So a crash before the manifest leaves both old, a crash after the commit both new, and the one window
+between (the commit's round trip) is closed by the next run. The ledger's ``published`` row per table and
+run key names the generation the table holds, the one the manifest names. Each row also carries its
+generation (``rayllm_generation``) and run key.
 
 Every identifier is quoted for its dialect, so a column named ``x"; DROP TABLE t; --`` is a column of
 that name; the table name itself must be a plain name (``schema.table`` allowed).
@@ -11,6 +28,7 @@ that name; the table name itself must be a plain name (``schema.table`` allowed)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from datetime import date, datetime
@@ -23,6 +41,8 @@ from airflow_provider_rayllm.job.errors import JobError
 
 RUN_KEY_COLUMN = "rayllm_run_key"
 GENERATION_COLUMN = "rayllm_generation"
+LEDGER = "rayllm_table_generations"
+STAGED, PUBLISHED = "staged", "published"
 _PLACEHOLDER = {"postgresql": "%s", "mysql": "%s", "sqlite": "?"}
 _TABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 
@@ -94,9 +114,83 @@ def _existing_columns(cur: Any, table_sql: str) -> list[str] | None:
     return [d[0] for d in cur.description or []]
 
 
-def write(files: list[str], dialect: str, table: str, run_key: str, generation: str, batch_rows: int = 1000) -> int:
-    """Replace this run's rows in ``table`` with the rows of the given output files; returns the rows written."""
+def _beside(table: str, name: str) -> str:
+    """``name`` in the output table's schema (``schema.name``, or plain)."""
+    schema = table.rpartition(".")[0]
+    return f"{schema}.{name}" if schema else name
+
+
+def staged_table(table: str, generation: str) -> str:
+    """This generation's staging table, beside the output table; its name is a digest (a plain identifier
+    within every dialect's length limit)."""
+    return _beside(table, "rayllm_staged_" + hashlib.sha256(f"{table}\0{generation}".encode()).hexdigest()[:16])
+
+
+def ledger_table(table: str) -> str:
+    return _beside(table, LEDGER)
+
+
+def ensure_ledger(cur: Any, dialect: str, table: str) -> str:
+    """The ledger (one row per staged or published generation of a table), created when missing; its SQL name."""
+    ledger_sql = quote_table(ledger_table(table), dialect)
+    cur.execute(
+        f"CREATE TABLE IF NOT EXISTS {ledger_sql} (table_name TEXT, run_key TEXT, generation TEXT, "
+        f"staged_table TEXT, column_names {'LONGTEXT' if dialect == 'mysql' else 'TEXT'}, row_count BIGINT, state TEXT)"
+    )
+    return ledger_sql
+
+
+def _create_like(cur: Any, dialect: str, staged_sql: str, table_sql: str) -> None:
+    """The staging table with the output table's column types, so that a value the table refuses is refused
+    at staging, and the copy into the table needs no cast."""
+    if dialect == "postgresql":
+        cur.execute(f"CREATE TABLE {staged_sql} (LIKE {table_sql})")
+    elif dialect == "mysql":
+        cur.execute(f"CREATE TABLE {staged_sql} LIKE {table_sql}")
+    else:
+        cur.execute(f"CREATE TABLE {staged_sql} AS SELECT * FROM {table_sql} WHERE 0")
+
+
+def drop_quietly(conn: Any, table_sql: str) -> None:
+    """Best effort: a staging table nobody needs any more (the next run's repair drops what this leaves)."""
+    try:
+        conn.rollback()
+        conn.cursor().execute(f"DROP TABLE IF EXISTS {table_sql}")
+        conn.commit()
+    except Exception:
+        pass
+
+
+def _prepare_table(cur: Any, dialect: str, table: str, names: list[str], types: list[Any]) -> str:
+    """The output table, created (empty) when missing; refused when it lacks a column this output has."""
     table_sql = quote_table(table, dialect)
+    existing = _existing_columns(cur, table_sql)
+    if dialect == "postgresql":
+        cur.connection.rollback()  # a failed probe aborts PostgreSQL's transaction
+    if existing is None:
+        definitions = ", ".join(
+            [
+                f"{quote(RUN_KEY_COLUMN, dialect)} TEXT",
+                f"{quote(GENERATION_COLUMN, dialect)} TEXT",
+                *(f"{quote(n, dialect)} {sql_type(t, dialect)}" for n, t in zip(names[2:], types)),
+            ]
+        )
+        cur.execute(f"CREATE TABLE {table_sql} ({definitions})")
+    else:
+        missing = [n for n in names if n not in existing]
+        if missing:
+            raise JobError(
+                f"output_table {table!r} has no column(s) {missing!r} that this run's output has; its columns: "
+                f"{existing!r} (the output's schema changed: write to a new table, or add the columns); nothing was written"
+            )
+    return table_sql
+
+
+def stage(files: list[str], dialect: str, table: str, run_key: str, generation: str, batch_rows: int = 1000) -> int:
+    """Step 1 of the module's docstring: the rows of the given output files into this generation's staging
+    table, and the generation into the ledger as staged, in one commit. Returns the rows staged; the output
+    table's rows are not touched."""
+    quote_table(table, dialect)
     if not files:
         schema_names, types = [], []
     else:
@@ -107,31 +201,18 @@ def write(files: list[str], dialect: str, table: str, run_key: str, generation: 
         raise JobError(f"the output already has column(s) {sorted(reserved)!r}, which output_table reserves")
     names = [RUN_KEY_COLUMN, GENERATION_COLUMN, *schema_names]
     mark = _PLACEHOLDER[dialect]
-    insert = f"INSERT INTO {table_sql} ({', '.join(quote(n, dialect) for n in names)}) VALUES ({', '.join([mark] * len(names))})"
+    staged = staged_table(table, generation)
+    staged_sql = quote_table(staged, dialect)
+    insert = f"INSERT INTO {staged_sql} ({', '.join(quote(n, dialect) for n in names)}) VALUES ({', '.join([mark] * len(names))})"
     conn = connect(dialect, SINK_SQL_URI_ENV)
     written = 0
     try:
         cur = conn.cursor()
-        existing = _existing_columns(cur, table_sql)
-        if dialect == "postgresql":
-            conn.rollback()  # a failed probe aborts PostgreSQL's transaction
-        if existing is None:
-            definitions = ", ".join(
-                [
-                    f"{quote(RUN_KEY_COLUMN, dialect)} TEXT",
-                    f"{quote(GENERATION_COLUMN, dialect)} TEXT",
-                    *(f"{quote(n, dialect)} {sql_type(t, dialect)}" for n, t in zip(schema_names, types)),
-                ]
-            )
-            cur.execute(f"CREATE TABLE {table_sql} ({definitions})")
-        else:
-            missing = [n for n in names if n not in existing]
-            if missing:
-                raise JobError(
-                    f"output_table {table!r} has no column(s) {missing!r} that this run's output has; its columns: "
-                    f"{existing!r} (the output's schema changed: write to a new table, or add the columns); nothing was written"
-                )
-        cur.execute(f"DELETE FROM {table_sql} WHERE {quote(RUN_KEY_COLUMN, dialect)} = {mark}", (run_key,))
+        table_sql = _prepare_table(cur, dialect, table, names, types)
+        ledger_sql = ensure_ledger(cur, dialect, table)
+        conn.commit()  # the output table and the ledger exist (MySQL commits its DDL at once anyway)
+        cur.execute(f"DROP TABLE IF EXISTS {staged_sql}")
+        _create_like(cur, dialect, staged_sql, table_sql)
         for uri in files:
             part = _read(uri)
             for batch in part.to_batches(max_chunksize=batch_rows):
@@ -141,12 +222,18 @@ def write(files: list[str], dialect: str, table: str, run_key: str, generation: 
                 ]
                 cur.executemany(insert, rows)
                 written += len(rows)
+        cur.execute(f"DELETE FROM {ledger_sql} WHERE table_name = {mark} AND generation = {mark}", (table, generation))
+        cur.execute(
+            f"INSERT INTO {ledger_sql} (table_name, run_key, generation, staged_table, column_names, row_count, state) "
+            f"VALUES ({', '.join([mark] * 7)})",
+            (table, run_key, generation, staged, json.dumps(names), written, STAGED),
+        )
         conn.commit()
     except JobError:
-        conn.rollback()
+        drop_quietly(conn, staged_sql)
         raise
     except Exception as exc:
-        conn.rollback()
+        drop_quietly(conn, staged_sql)
         raise JobError(
             f"output_table {table!r}: {type(exc).__name__}: {str(exc).strip()} (nothing was written)"
         ) from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import posixpath
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from airflow_provider_rayllm.contract.spec import JobSpec, RowsSource, SqlSource
 from airflow_provider_rayllm.job.errors import JobError
@@ -22,6 +22,12 @@ class Input:
     description: str
     # The folders holding the input's files: where image_column paths may be read from by default.
     folders: list[str] = field(default_factory=list)
+    # Called once the stream has read every row (a SQL read's shared snapshot ends there).
+    close: Callable[[], None] = field(default=lambda: None)
+
+
+def _nothing() -> None:
+    return None
 
 
 def input_folders(uris: list[str], files: list[str]) -> list[str]:
@@ -41,6 +47,7 @@ def input_folders(uris: list[str], files: list[str]) -> list[str]:
 
 def open_input(spec: JobSpec) -> Input:
     source = spec.source
+    close: Callable[[], None] = _nothing
     if isinstance(source, RowsSource):
         import ray.data
 
@@ -54,7 +61,7 @@ def open_input(spec: JobSpec) -> Input:
         columns, has_rows = sql.probe(source)
         where = "the query"
         description = f"{source.dialect} query with columns {columns}"
-        ds = sql.read(source, columns) if has_rows else None
+        ds, close = sql.read(source, columns) if has_rows else (None, close)
     else:
         from airflow_provider_rayllm.job.sources import files
 
@@ -74,4 +81,4 @@ def open_input(spec: JobSpec) -> Input:
     if spec.limits.max_rows:
         ds = ds.limit(spec.limits.max_rows)
     folders = input_folders(source.uris, paths) if not isinstance(source, (RowsSource, SqlSource)) else []
-    return Input(ds, columns, description, folders)
+    return Input(ds, columns, description, folders, close)
