@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+import urllib.parse
 import urllib.request
 
 import psutil
@@ -187,6 +188,168 @@ def test_a_restarted_head_is_job_lost_and_the_retry_runs_a_new_job(restartable_c
         jobs_submitted_for_a_published_retry_on_a_fresh_cluster=jobs_after_second_restart,
         rows_readable_after_a_failed_rerun_on_a_fresh_cluster=len(kept),
     )
+
+
+class _Warehouse:
+    """The output table's database as a reader sees it: the rows of a run key, the ledger's entries."""
+
+    def __init__(self, dialect: str, uri: str, table: str):
+        self.dialect, self.uri, self.table = dialect, uri, table
+
+    def _connect(self):
+        import urllib.parse
+
+        if self.dialect == "postgresql":
+            import psycopg2
+
+            return psycopg2.connect(self.uri)
+        import pymysql
+
+        parts = urllib.parse.urlsplit(self.uri)
+        return pymysql.connect(
+            host=parts.hostname, port=parts.port or 3306, user=parts.username or "", database=parts.path.lstrip("/")
+        )
+
+    def query(self, sql: str, params: tuple = ()) -> list[tuple]:
+        conn = self._connect()
+        try:
+            cur = conn.cursor()
+            cur.execute(sql, params)
+            found = list(cur.fetchall()) if cur.description else []
+            conn.commit()
+            return found
+        finally:
+            conn.close()
+
+    def rows(self, run_key: str) -> list[tuple]:
+        return self.query(
+            f"SELECT id, response, rayllm_generation FROM {self.table} WHERE rayllm_run_key = %s", (run_key,)
+        )
+
+    def ledger(self) -> dict[str, str]:
+        from airflow_provider_rayllm.job.sinks.table import LEDGER
+
+        found = self.query(f"SELECT generation, state FROM {LEDGER} WHERE table_name = %s", (self.table,))
+        return {generation: state for generation, state in found}
+
+    def staged_exists(self, generation: str) -> bool:
+        from airflow_provider_rayllm.job.sinks.table import staged_table
+
+        name = staged_table(self.table, generation)
+        found = self.query(
+            "SELECT COUNT(*) FROM information_schema.tables WHERE table_name = %s AND table_schema = "
+            + ("current_schema()" if self.dialect == "postgresql" else "DATABASE()"),
+            (name,),
+        )
+        return found[0][0] > 0
+
+    def drop(self) -> None:
+        from airflow_provider_rayllm.job.sinks.table import LEDGER
+
+        self.query(f"DROP TABLE IF EXISTS {self.table}")
+        try:
+            self.query(f"DELETE FROM {LEDGER} WHERE table_name = %s", (self.table,))
+        except Exception:  # no ledger yet on this database: nothing of this table in it
+            pass
+
+
+@pytest.mark.parametrize("crash_at", ["after_table_stage", "after_manifest"])
+@pytest.mark.parametrize("dialect", ["postgresql", "mysql"])
+def test_a_crash_between_the_table_and_the_manifest_leaves_them_agreeing_and_the_next_run_both_new(
+    ray_conn, echo, test_home, monkeypatch, request, dialect, crash_at
+):
+    """A task instance publishes (table and manifest name its generation), then a rerun of it dies at
+    ``crash_at`` (RAYLLM_FAILPOINT ends the driver, as a crash). ``after_table_stage``: the rows are staged
+    and the manifest not yet written: the table and the manifest both still give the first run's answer.
+    ``after_manifest``: the manifest is written and the table's switch not committed (the one window left):
+    the ledger still lists the generation as staged. The retry leaves both on its own generation."""
+    from airflow_provider_rayllm.exceptions import RayJobFailed
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+    from airflow_provider_rayllm.job.driver import FAILPOINT_ENV
+
+    uri = request.getfixturevalue("postgres_dsn" if dialect == "postgresql" else "mysql_uri")
+    parts = urllib.parse.urlsplit(uri)
+    conn_type = "postgres" if dialect == "postgresql" else "mysql"
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_TABLE_CRASH",
+        json.dumps(
+            {
+                "conn_type": conn_type,
+                "host": parts.hostname,
+                "port": parts.port,
+                "login": parts.username,
+                "schema": parts.path.lstrip("/"),
+            }
+        ),
+    )
+    n = 24
+    table = f"answers_{dialect}_{crash_at}_{os.getpid()}"
+    warehouse = _Warehouse(dialect, uri, table)
+    warehouse.drop()
+    output_uri = test_home / "out" / f"table-crash-{dialect}-{crash_at}"
+    run_id = f"manual__table_crash_{dialect}_{crash_at}"
+    run_key = f"reliability/{run_id}/table_crash/-1"
+
+    def op(word: str, **kw):
+        input_uri = _rows(test_home, f"tablecrash-{dialect}-{crash_at}", n)
+        write_jsonl(input_uri, [{"id": i, "prompt": f"{word} row {i}"} for i in range(n)])
+        return _http_op(
+            "table_crash", input_uri, str(output_uri), output_table=table, output_table_conn_id="table_crash", **kw
+        )
+
+    def manifest() -> dict:
+        return json.loads((output_uri / "_manifest.json").read_text())
+
+    def context(try_number: int, cleared: int) -> dict:
+        return {
+            "ti": StandInTI("reliability", run_id, "table_crash", try_number=try_number),
+            "dag_run": ClearedRun(cleared),
+        }
+
+    try:
+        first = op("first").execute(context(1, 0))
+        assert {g for _, _, g in warehouse.rows(run_key)} == {first["generation"]} == {manifest()["generation"]}
+
+        crash = context(2, 1)
+        with pytest.raises(RayJobFailed):
+            op("second", job_runtime_env={"env_vars": {FAILPOINT_ENV: crash_at}}).execute(crash)
+        crashed_log = RayJobHook().get_job_logs(crash["ti"].xcom["submission_id"])
+        assert f"failpoint {crash_at}" in crashed_log
+        after_crash = warehouse.rows(run_key)
+        table_says = {g for _, _, g in after_crash}
+        manifest_says = manifest()["generation"]
+        (crashed,) = [g for g, state in warehouse.ledger().items() if state == "staged"]
+        assert sorted(i for i, _, _ in after_crash) == list(range(n)), "the first run's rows, each once"
+        if crash_at == "after_table_stage":
+            assert table_says == {manifest_says} == {first["generation"]}, "both still give the first answer"
+            assert all(r.startswith("echo: first ") for _, r, _ in after_crash)
+        else:
+            assert manifest_says == crashed != first["generation"], "the manifest names the crashed generation"
+            assert table_says == {first["generation"]}, "its switch was rolled back with the driver's connection"
+
+        retry = op("second").execute(context(3, 1))
+        after = warehouse.rows(run_key)
+        assert sorted(i for i, _, _ in after) == list(range(n)), "one row per input row, none twice"
+        assert {g for _, _, g in after} == {retry["generation"]} == {manifest()["generation"]}
+        assert all(r.startswith("echo: second ") for _, r, _ in after)
+        assert warehouse.ledger() == {retry["generation"]: "published"}, "one entry: the generation both name"
+        assert not warehouse.staged_exists(crashed), "the crashed generation's staging table was dropped"
+        assert not warehouse.staged_exists(retry["generation"]), "the published generation's staging table was dropped"
+        retry_log = RayJobHook().get_job_logs(retry["submission_id"])
+        repaired = f"switched in generation {crashed}" in retry_log
+        assert repaired == (crash_at == "after_manifest"), "only a crash after the manifest needs its switch completed"
+        record_figure(
+            f"table_manifest_crash_{dialect}_{crash_at}",
+            rows=n,
+            table_generation_after_crash="first" if table_says == {first["generation"]} else "crashed",
+            manifest_generation_after_crash="first" if manifest_says == first["generation"] else "crashed",
+            table_rows_after_crash=len(after_crash),
+            table_rows_after_retry=len(after),
+            rows_from_the_published_generation=sum(g == retry["generation"] for _, _, g in after),
+            retry_switched_in_the_crashed_generation_first=repaired,
+        )
+    finally:
+        warehouse.drop()
 
 
 def test_two_runs_into_one_prefix_at_once_both_publish_and_the_prefix_reads_as_the_published_one(
