@@ -95,11 +95,12 @@ class HttpCaller:
     def close(self) -> None:
         if self.loop.loop.is_closed():
             return
-        try:
-            self.loop.run(self.client.__aexit__(None, None, None), timeout_s=SESSION_START_S)
-        except Exception:
-            pass
-        self.loop.close()
+        if self.loop.thread.is_alive():  # at interpreter exit the loop's thread may already be gone
+            try:
+                self.loop.run(self.client.__aexit__(None, None, None), timeout_s=CLOSE_S)
+            except Exception:
+                pass
+        self.loop.close(timeout_s=CLOSE_S)
 
     def __del__(self) -> None:
         self.close()
@@ -146,6 +147,8 @@ class HttpCaller:
 
 # Opening (or closing) an aiohttp session does no I/O; a loop that cannot do it this fast is stuck.
 SESSION_START_S = 30.0
+# Closing is best effort (the actor is going away): never hold its exit longer than this.
+CLOSE_S = 5.0
 
 
 def batches_in_flight(http: HttpProcessorSpec) -> int:
