@@ -27,6 +27,7 @@ import sys
 import time
 from datetime import date
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -103,7 +104,7 @@ def run_caller(answered: object, rows: int, error_column: str) -> tuple[float, f
     return ended - started, (got - first_rows) / max(ended - first_at, 1e-9)
 
 
-def caller_part(args: argparse.Namespace) -> dict:
+def caller_part(args: argparse.Namespace, save: Callable[[str, dict], None]) -> dict:
     import ray
 
     from airflow_provider_rayllm.contract.spec import HttpProcessorSpec
@@ -140,11 +141,17 @@ def caller_part(args: argparse.Namespace) -> dict:
                     else:
                         seconds = bare_client(spec.url, bodies, args.in_flight)
                     samples[name].append(len(rows) / seconds)
-                    print(f"caller round {round_no + 1} {name}: {len(rows) / seconds:.0f} rows/s", flush=True)
+                    steady = f", {samples['ours_steady'][-1]:.0f} once up" if name == "ours" else ""
+                    print(f"caller round {round_no + 1} {name}: {len(rows) / seconds:.0f} rows/s{steady}", flush=True)
+                save("caller", caller_summary(len(rows), samples))  # a stopped run keeps its finished rounds
         finally:
             ray.shutdown()
+    return caller_summary(len(rows), samples)
+
+
+def caller_summary(rows: int, samples: dict[str, list[float]]) -> dict:
     return {
-        "rows": len(rows),
+        "rows": rows,
         # ours: the whole map, actor start included; ours_steady: from its first batch back to its last.
         "rows_per_s": {name: spread(values) for name, values in samples.items()},
         "ours_over_asyncio": spread([o / a for o, a in zip(samples["ours"], samples["asyncio"])]),
@@ -212,7 +219,7 @@ class E2E:
         return seconds
 
 
-def e2e_part(args: argparse.Namespace, home: Path) -> dict:
+def e2e_part(args: argparse.Namespace, home: Path, save: Callable[[str, dict], None]) -> dict:
     from airflow_provider_rayllm.local.cluster import LocalRayCluster
     from airflow_provider_rayllm.local.models import smollm2_path
     from airflow_provider_rayllm.local.services import vllm_openai_server
@@ -231,12 +238,17 @@ def e2e_part(args: argparse.Namespace, home: Path) -> dict:
                     run = bench.ours if name == "ours" else bench.plain
                     seconds[name].append(run(f"r{round_no}-{name}"))
                     print(f"e2e round {round_no + 1} {name}: {seconds[name][-1]:.1f} s", flush=True)
+                save("e2e", e2e_summary(args.rows, seconds))  # a stopped run keeps its finished rounds
         finally:
             cluster.stop()
+    return e2e_summary(args.rows, seconds)
+
+
+def e2e_summary(rows: int, seconds: dict[str, list[float]]) -> dict:
     return {
-        "rows": args.rows,
+        "rows": rows,
         "seconds": {name: spread(values) for name, values in seconds.items()},
-        "rows_per_s": {name: spread([args.rows / s for s in values]) for name, values in seconds.items()},
+        "rows_per_s": {name: spread([rows / s for s in values]) for name, values in seconds.items()},
         # Paired by round: the plain client's seconds over ours (1.0 = as fast as the bare client).
         "ratio": spread([a / o for o, a in zip(seconds["ours"], seconds["asyncio"])]),
     }
@@ -255,20 +267,15 @@ def main() -> int:
 
     home = bench_home("http-bench")
     import ray
-
-    parts = args.parts.split(",")
-    caller = caller_part(args) if "caller" in parts else None
-    e2e = e2e_part(args, home) if "e2e" in parts else None
     import vllm
 
-    results = {
+    results: dict = {
         "date": date.today().isoformat(),
-        # One caller's own rate, once its actor is up (the whole map's, start included, is in "caller").
-        "rows_per_s_per_caller": caller["rows_per_s"]["ours_steady"]["median"] if caller else None,
-        "e2e_ratio_vs_asyncio": e2e["ratio"]["median"] if e2e else None,
+        "rows_per_s_per_caller": None,
+        "e2e_ratio_vs_asyncio": None,
         "includes": INCLUDES,
-        "caller": caller,
-        "e2e": e2e,
+        "caller": None,
+        "e2e": None,
         "rounds": args.rounds,
         "batch_size": args.batch_size,
         "actors": 1,
@@ -280,7 +287,21 @@ def main() -> int:
     }
     out_dir = REPO / "benchmarks" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{results['date']}-http.json").write_text(json.dumps(results, indent=2))
+
+    def save(part: str, figures: dict) -> None:
+        results[part] = figures
+        if results["caller"]:
+            # One caller's own rate, once its actor is up (the whole map's, start included, is in "caller").
+            results["rows_per_s_per_caller"] = results["caller"]["rows_per_s"]["ours_steady"]["median"]
+        if results["e2e"]:
+            results["e2e_ratio_vs_asyncio"] = results["e2e"]["ratio"]["median"]
+        (out_dir / f"{results['date']}-http.json").write_text(json.dumps(results, indent=2))
+
+    parts = args.parts.split(",")
+    if "caller" in parts:
+        save("caller", caller_part(args, save))
+    if "e2e" in parts:
+        save("e2e", e2e_part(args, home, save))
     print(json.dumps({k: results[k] for k in ("rows_per_s_per_caller", "e2e_ratio_vs_asyncio")}))
     return 0
 
