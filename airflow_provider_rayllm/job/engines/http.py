@@ -260,10 +260,11 @@ def call_endpoint(ds: Any, http: HttpProcessorSpec) -> Any:
         fn_constructor_kwargs={"http_json": http.model_dump_json()},
         batch_size=http.batch_size,
         # Several calls per actor at once, on Ray's threads, each waiting on the actor's one loop; without
-        # enable_true_multi_threading Ray Data would run them one after another.
+        # enable_true_multi_threading Ray Data would run them one after another. As many batches again wait
+        # on the actor, so a call that ends starts the next at once, not when the executor next looks.
         compute=ray.data.ActorPoolStrategy(
             size=http.concurrency,
-            max_tasks_in_flight_per_actor=in_flight,
+            max_tasks_in_flight_per_actor=2 * in_flight,
             max_concurrent_calls_per_actor=in_flight,
             enable_true_multi_threading=True,
         ),
