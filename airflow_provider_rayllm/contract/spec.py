@@ -504,7 +504,11 @@ class HttpProcessorSpec(_Strict):
         min_length=1, description="Model name the endpoint serves.", json_schema_extra=arg(templated=True)
     )
     concurrency: int = Field(1, ge=1, description="Ray actors sending requests.")
-    batch_size: int = Field(256, ge=1, description="Rows handed to an actor at a time.")
+    batch_size: int = Field(
+        256,
+        ge=1,
+        description="Rows per batch; each actor sends several batches at once (twice max_in_flight rows queued).",
+    )
     max_in_flight: int = Field(
         64, ge=1, le=4096, description="Requests in flight per actor.", json_schema_extra=arg(templated=True)
     )

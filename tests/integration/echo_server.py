@@ -2,19 +2,25 @@
 
 Run as `python echo_server.py PORT DELAY [nocount]`. GET /stats returns how many requests each prompt got, so a
 test can tell a re-sent request (fine) from a duplicated output row (not fine); `nocount` keeps no count (a
-benchmark's millions of prompts would otherwise grow the server's memory with the run). POST /fail {"status": 400}
-makes every later request fail with that status until POST /fail {"status": 0}.
+benchmark's millions of prompts would otherwise grow the server's memory with the run), and its "times" when
+each prompt's request last arrived and was answered (Unix seconds). A prompt that starts with "[sleep S]" is
+answered after S seconds instead of DELAY. POST /fail {"status": 400} makes every later request fail with that
+status until POST /fail {"status": 0}.
 """
 
 import asyncio
 import collections
+import re
 import sys
+import time
 
 from aiohttp import web
 
 PORT, DELAY = int(sys.argv[1]), float(sys.argv[2])
 COUNT = sys.argv[3:] != ["nocount"]
 REQUESTS: collections.Counter = collections.Counter()
+TIMES: dict[str, list[float]] = {}
+SLEEP = re.compile(r"^\[sleep ([0-9.]+)\]")
 FAIL = {"status": 0}
 
 
@@ -23,7 +29,11 @@ async def chat(request: web.Request) -> web.Response:
     text = body["messages"][-1]["content"]
     if COUNT:
         REQUESTS[text] += 1
-    await asyncio.sleep(DELAY)
+        arrived = time.time()
+    slow = SLEEP.match(text)
+    await asyncio.sleep(float(slow.group(1)) if slow else DELAY)
+    if COUNT:
+        TIMES[text] = [arrived, time.time()]
     if FAIL["status"]:
         return web.json_response({"error": {"message": "refused by the test"}}, status=FAIL["status"])
     return web.json_response(
@@ -32,7 +42,7 @@ async def chat(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    return web.json_response({"requests": dict(REQUESTS), "total": sum(REQUESTS.values())})
+    return web.json_response({"requests": dict(REQUESTS), "total": sum(REQUESTS.values()), "times": TIMES})
 
 
 async def fail(request: web.Request) -> web.Response:

@@ -8,7 +8,18 @@ import urllib.request
 
 import pytest
 
-from tests.integration.helpers import assert_succeeded, load_dag, read_rows, utc, write_jsonl, xcom
+from tests.integration.helpers import (
+    StandInTI,
+    assert_succeeded,
+    echo_connection,
+    echo_operator,
+    load_dag,
+    read_rows,
+    record_figure,
+    utc,
+    write_jsonl,
+    xcom,
+)
 from tests.integration.services import storm_server, vllm_openai_server
 
 pytestmark = pytest.mark.integration
@@ -110,3 +121,42 @@ def test_a_429_storm_loses_no_row_and_keeps_under_the_qps_cap(
     # network's jitter at the window's edges.
     busiest = max(sum(1 for t in arrivals if start <= t < start + 1.0) for start in arrivals)
     assert busiest <= qps + 2, f"{busiest} requests in one second with qps={qps}"
+
+
+def test_a_slow_row_holds_back_only_its_own_batch(ray_conn, test_home, service_logs):
+    """No barrier between batches: while one row of the first batch takes its time, the caller actor answers
+    every batch after it, and the output still has every row once with its own answer."""
+    slow_s, batch_size, n = 6.0, 4, 48
+    rows = [{"id": i, "prompt": f"[sleep {slow_s}] row {i}" if i == 0 else f"row {i}"} for i in range(n)]
+    input_uri = write_jsonl(test_home / "inputs" / "slow_row.jsonl", rows)
+    with echo_connection("llm_slow_row", 0.05, service_logs) as url:
+        op = echo_operator(
+            "llm_slow_row",
+            "slow_row",
+            input_uri,
+            str(test_home / "out" / "slow_row"),
+            batch_size=batch_size,
+            max_in_flight=8,
+            sampling_params={"max_tokens": 8},
+        )
+        manifest = op.execute({"ti": StandInTI("http_stream", "manual__slow_row", "slow_row")})
+        with urllib.request.urlopen(f"{url}/stats") as resp:
+            times = json.loads(resp.read())["times"]
+    assert manifest["rows_out"] == n and manifest["rows_errored"] == 0
+    out = read_rows(manifest["output_files"])
+    assert sorted(r["id"] for r in out) == list(range(n))
+    assert all(r["response"] == f"echo: {rows[r['id']]['prompt']}" for r in out)
+    slow_arrived, slow_answered = times[rows[0]["prompt"]]
+    others = [times[r["prompt"]] for r in rows[1:]]
+    meanwhile = sum(1 for _, answered in others if answered < slow_answered)
+    last_other_s = max(answered for _, answered in others) - slow_arrived
+    record_figure(
+        "slow_row",
+        rows=n,
+        batch_size=batch_size,
+        slow_s=slow_s,
+        answered_meanwhile=meanwhile,
+        last_other_answered_s=round(last_other_s, 2),
+    )
+    # With a barrier only the slow row's own batch would be answered before it (batch_size - 1 rows).
+    assert meanwhile == n - 1, f"{meanwhile} of {n - 1} other rows answered while the slow row was in flight"

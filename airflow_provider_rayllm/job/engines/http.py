@@ -14,6 +14,7 @@ from airflow_provider_rayllm.contract.secrets import redact
 from airflow_provider_rayllm.contract.spec import HttpProcessorSpec, JobSpec
 from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.engines.http_client import EndpointClient
+from airflow_provider_rayllm.job.engines.loop_thread import LoopDeadline, LoopThread
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.failpoints import failpoint
 from airflow_provider_rayllm.job.progress import column_sum
@@ -63,8 +64,11 @@ def extract(body: dict[str, Any], endpoint: str) -> Any:
 
 
 class HttpCaller:
-    """A Ray Data actor: one aiohttp session and event loop, many requests in flight.
+    """A Ray Data actor: one event loop on a thread of its own, one aiohttp session, many requests in flight.
 
+    Ray Data runs several calls of one actor at once (``batches_in_flight``); each hands its batch's
+    requests to the one loop and waits for its own answers, so requests flow across batch boundaries: a
+    slow row holds only its own batch back, and the next batch's requests fill the free slots meanwhile.
     Each answered row carries the endpoint's whole JSON body (as text), its status and the attempts it
     took; a row that could not be prompted is passed on with its reason, unsent.
     """
@@ -72,7 +76,6 @@ class HttpCaller:
     def __init__(self, http_json: str):
         failpoint("caller_start", "an HTTP caller actor")
         self.http = HttpProcessorSpec.model_validate_json(http_json)
-        self.loop = asyncio.new_event_loop()
         self.client = EndpointClient(
             url=self.http.url,
             api_key=os.environ.get(API_KEY_ENV),
@@ -85,13 +88,22 @@ class HttpCaller:
             backoff_base_s=self.http.backoff_base_s,
             backoff_max_s=self.http.backoff_max_s,
         )
-        self.loop.run_until_complete(self.client.__aenter__())
+        self.loop = LoopThread("rayllm-http-caller")
+        self.loop.run(self.client.__aenter__(), timeout_s=SESSION_START_S)
+        self.batch_deadline_s = batch_deadline_s(self.http)
+
+    def close(self) -> None:
+        if self.loop.loop.is_closed():
+            return
+        if self.loop.thread.is_alive():  # at interpreter exit the loop's thread may already be gone
+            try:
+                self.loop.run(self.client.__aexit__(None, None, None), timeout_s=CLOSE_S)
+            except Exception:
+                pass
+        self.loop.close(timeout_s=CLOSE_S)
 
     def __del__(self) -> None:
-        try:
-            self.loop.run_until_complete(self.client.__aexit__(None, None, None))
-        except Exception:
-            pass
+        self.close()
 
     async def _row(self, request_json: str, error: str) -> tuple[str, int, int, str, int]:
         """(response body as JSON text, status, attempts, error, completion tokens)"""
@@ -115,8 +127,14 @@ class HttpCaller:
         return await asyncio.gather(*(self._row(str(r), str(e)) for r, e in zip(requests, errors)))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
-        # Ray Data may call from another thread than the constructor's; the loop is ours either way.
-        answers = self.loop.run_until_complete(self._batch(batch[REQUEST], batch[PRE_ERROR]))
+        try:
+            answers = self.loop.run(self._batch(batch[REQUEST], batch[PRE_ERROR]), self.batch_deadline_s)
+        except LoopDeadline:
+            raise JobError(
+                f"HTTP caller: a batch of {len(batch[REQUEST])} rows got no answer within "
+                f"{self.batch_deadline_s:.1f} s, the most its rows' own limits allow "
+                f"(max_total_wait_s={self.http.max_total_wait_s!r}, timeout_s={self.http.timeout_s!r})"
+            ) from None
         return {
             KEPT_INPUT: batch[KEPT_INPUT],
             RESPONSE: [a[0] for a in answers],
@@ -125,6 +143,31 @@ class HttpCaller:
             ERROR: [a[3] for a in answers],
             TOKENS_OUT: [a[4] for a in answers],
         }
+
+
+# Opening (or closing) an aiohttp session does no I/O; a loop that cannot do it this fast is stuck.
+SESSION_START_S = 30.0
+# Closing is best effort (the actor is going away): never hold its exit longer than this.
+CLOSE_S = 5.0
+
+
+def batches_in_flight(http: HttpProcessorSpec) -> int:
+    """Batches one actor works on at once: enough queued rows that the in-flight slots never wait for the
+    next batch to arrive (twice ``max_in_flight``), at least 2, at most 16."""
+    return max(2, min(16, -(-2 * http.max_in_flight // http.batch_size)))
+
+
+def batch_deadline_s(http: HttpProcessorSpec) -> float:
+    """The longest a batch can take when every row ahead of it uses all of its own limits.
+
+    A row is given up after ``max_total_wait_s`` (retries and backoff included) plus the attempt running
+    then; the actor's rows go through ``max_in_flight`` slots, and a qps cap spaces their starts.
+    """
+    row_s = http.max_total_wait_s + http.backoff_max_s + http.timeout_s
+    rows = batches_in_flight(http) * http.batch_size
+    waves = -(-rows // http.max_in_flight)
+    spacing_s = rows / qps if (qps := http.qps_per_actor()) else 0.0
+    return waves * row_s + spacing_s + 60.0
 
 
 RESPONSE = "__rayllm_http_response"
@@ -187,17 +230,7 @@ class HttpEngine(Engine):
         return self.http.concurrency * LIGHT["num_cpus"]
 
     def apply(self, ds: Any) -> Any:
-        import ray.data
-
-        return ds.map_batches(
-            HttpCaller,
-            fn_constructor_kwargs={"http_json": self.http.model_dump_json()},
-            batch_size=self.http.batch_size,
-            compute=ray.data.ActorPoolStrategy(size=self.http.concurrency),
-            num_cpus=LIGHT["num_cpus"],
-            batch_format="numpy",
-            **ACTOR_RETRIES,
-        )
+        return call_endpoint(ds, self.http)
 
     def shaper(self) -> Shaper:
         return HttpShaper(self.spec, self.package_dir)
@@ -215,6 +248,30 @@ class HttpEngine(Engine):
         import aiohttp
 
         return {"aiohttp": aiohttp.__version__}
+
+
+def call_endpoint(ds: Any, http: HttpProcessorSpec) -> Any:
+    """The dataset's requests answered by a pool of HttpCaller actors (rows keep their order per batch)."""
+    import ray.data
+
+    in_flight = batches_in_flight(http)
+    return ds.map_batches(
+        HttpCaller,
+        fn_constructor_kwargs={"http_json": http.model_dump_json()},
+        batch_size=http.batch_size,
+        # Several calls per actor at once, on Ray's threads, each waiting on the actor's one loop; without
+        # enable_true_multi_threading Ray Data would run them one after another. As many batches again wait
+        # on the actor, so a call that ends starts the next at once, not when the executor next looks.
+        compute=ray.data.ActorPoolStrategy(
+            size=http.concurrency,
+            max_tasks_in_flight_per_actor=2 * in_flight,
+            max_concurrent_calls_per_actor=in_flight,
+            enable_true_multi_threading=True,
+        ),
+        num_cpus=LIGHT["num_cpus"],
+        batch_format="numpy",
+        **ACTOR_RETRIES,
+    )
 
 
 def cost(http: HttpProcessorSpec, input_tokens: int, output_tokens: int) -> float | None:

@@ -2,7 +2,7 @@
 
 Many requests in flight per actor (aiohttp's pooled connections), a requests-per-second cap,
 retries on 408/429/5xx and connection errors that honour Retry-After with jittered exponential
-backoff (tenacity), and a cap on the total time a row may spend waiting. A row that still fails is
+backoff, and a cap on the total time a row may spend waiting. A row that still fails is
 returned as an error with its status code and reason; the API key never appears in it.
 """
 
@@ -128,13 +128,12 @@ class EndpointClient:
     async def __aexit__(self, *exc: Any) -> None:
         await self.session.close()
 
-    def _wait(self, retry_state: Any) -> float:
+    def _backoff(self, exc: BaseException, attempt: int) -> float:
         """Retry-After when the server gave one, else full-jitter exponential backoff."""
-        exc = retry_state.outcome.exception()
         hinted = getattr(exc, "retry_after", None)
         if hinted is not None:
-            return min(hinted + random.uniform(0, 0.1 * max(hinted, 0.1)), self.backoff_max_s)
-        ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (retry_state.attempt_number - 1))
+            return float(min(hinted + random.uniform(0, 0.1 * max(hinted, 0.1)), self.backoff_max_s))
+        ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
         return random.uniform(0, ceiling)
 
     async def _once(self, payload: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -165,37 +164,36 @@ class EndpointClient:
                 raise aiohttp.ClientPayloadError(f"unparsable response body: {text[:120]!r}") from None
 
     async def call(self, payload: dict[str, Any]) -> CallResult:
+        # A plain loop, not a retry library: this runs once per row, thousands of times a second.
         import aiohttp
-        from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt, stop_after_delay
 
         started = time.monotonic()
         attempts = 0
-        retrying = AsyncRetrying(
-            retry=retry_if_exception_type((RetryableStatus, aiohttp.ClientConnectionError, asyncio.TimeoutError)),
-            wait=self._wait,
-            stop=stop_after_attempt(self.max_retries + 1) | stop_after_delay(self.max_total_wait_s),
-            reraise=False,
-        )
         async with self.semaphore:
-            try:
-                async for attempt in retrying:
-                    with attempt:
-                        attempts += 1
-                        status, body = await self._once(payload)
-            except RetryError as exc:
-                last = exc.last_attempt.exception()
-                status = getattr(last, "status", 0)
-                reason = getattr(last, "reason", None) or f"{type(last).__name__}: {last}"
-                return CallResult(
-                    False,
-                    None,
-                    status,
-                    f"gave up after {attempts} attempt(s): {reason}",
-                    attempts,
-                    time.monotonic() - started,
-                )
-            except aiohttp.ClientPayloadError as exc:
-                return CallResult(False, None, 200, str(exc), attempts, time.monotonic() - started)
+            first = time.monotonic()
+            while True:
+                attempts += 1
+                try:
+                    status, body = await self._once(payload)
+                    break
+                except (RetryableStatus, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                    if attempts > self.max_retries or time.monotonic() - first >= self.max_total_wait_s:
+                        reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+                        return CallResult(
+                            False,
+                            None,
+                            getattr(exc, "status", 0),
+                            f"gave up after {attempts} attempt(s): {reason}",
+                            attempts,
+                            time.monotonic() - started,
+                        )
+                    await asyncio.sleep(self._backoff(exc, attempts))
+                except aiohttp.ClientPayloadError as exc:
+                    return CallResult(False, None, 200, str(exc), attempts, time.monotonic() - started)
+                except aiohttp.ClientError as exc:  # e.g. a malformed answer: this row's error, not the batch's
+                    return CallResult(
+                        False, None, 0, f"{type(exc).__name__}: {exc}", attempts, time.monotonic() - started
+                    )
         if "__error__" in body:
             return CallResult(False, None, status, body["__error__"], attempts, time.monotonic() - started)
         return CallResult(True, body, status, "", attempts, time.monotonic() - started)
