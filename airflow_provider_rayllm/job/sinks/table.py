@@ -16,7 +16,7 @@ import re
 from datetime import date, datetime
 from typing import Any
 
-from airflow_provider_rayllm.contract.names import SINK_SQL_URI_ENV
+from airflow_provider_rayllm.contract.names import REQUEST_KEY_COLUMN, SINK_SQL_URI_ENV
 from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.databases import connect, quote
 from airflow_provider_rayllm.job.errors import JobError
@@ -65,7 +65,11 @@ def _read(uri: str) -> Any:
 
     fs, path = filesystems.filesystem_for(uri)
     with fs.open_input_file(path) as handle:
-        return pq.read_table(handle) if uri.endswith(".parquet") else pajson.read_json(handle)
+        if uri.endswith(".parquet"):
+            return pq.read_table(handle)
+        # The whole file as one block: a row longer than pyarrow's default block fails its parse.
+        block = min(max(handle.size(), 1), (1 << 31) - 1)
+        return pajson.read_json(handle, read_options=pajson.ReadOptions(block_size=block))
 
 
 def _schema(files: list[str]) -> Any:
@@ -105,9 +109,7 @@ def write(files: list[str], dialect: str, table: str, run_key: str, generation: 
     reserved = {RUN_KEY_COLUMN, GENERATION_COLUMN} & set(schema_names)
     if reserved:
         raise JobError(f"the output already has column(s) {sorted(reserved)!r}, which output_table reserves")
-    names = [RUN_KEY_COLUMN, GENERATION_COLUMN, *schema_names]
     mark = _PLACEHOLDER[dialect]
-    insert = f"INSERT INTO {table_sql} ({', '.join(quote(n, dialect) for n in names)}) VALUES ({', '.join([mark] * len(names))})"
     conn = connect(dialect, SINK_SQL_URI_ENV)
     written = 0
     try:
@@ -125,12 +127,17 @@ def write(files: list[str], dialect: str, table: str, run_key: str, generation: 
             )
             cur.execute(f"CREATE TABLE {table_sql} ({definitions})")
         else:
-            missing = [n for n in names if n not in existing]
+            # A table made before outputs carried request keys keeps working without them.
+            if REQUEST_KEY_COLUMN in schema_names and REQUEST_KEY_COLUMN not in existing:
+                schema_names = [n for n in schema_names if n != REQUEST_KEY_COLUMN]
+            missing = [n for n in [RUN_KEY_COLUMN, GENERATION_COLUMN, *schema_names] if n not in existing]
             if missing:
                 raise JobError(
                     f"output_table {table!r} has no column(s) {missing!r} that this run's output has; its columns: "
                     f"{existing!r} (the output's schema changed: write to a new table, or add the columns); nothing was written"
                 )
+        names = [RUN_KEY_COLUMN, GENERATION_COLUMN, *schema_names]
+        insert = f"INSERT INTO {table_sql} ({', '.join(quote(n, dialect) for n in names)}) VALUES ({', '.join([mark] * len(names))})"
         cur.execute(f"DELETE FROM {table_sql} WHERE {quote(RUN_KEY_COLUMN, dialect)} = {mark}", (run_key,))
         for uri in files:
             part = _read(uri)
