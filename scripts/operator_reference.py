@@ -57,7 +57,7 @@ XCOM = [
     (
         "VLLMBatchOperator, HttpLLMBatchOperator",
         "`return_value`",
-        "The manifest: `output_uri` (the task's prefix), `outputs_folder` (the prefix itself: its visible files are the published rows) and `errors_folder` (`<prefix>/_errors`), `output_files` / `error_files` (URI, rows, bytes each), `rows_in` / `rows_out` / `rows_errored` / `rows_resumed`, `errors_by_reason`, token totals, `timeline` and `rows_over_time`, `report_uri`, the engine's resolved settings and, with a price, `estimated_cost`.",
+        "The manifest: `output_uri` (the task's prefix), `outputs_folder` (the prefix itself: its visible files are the published rows) and `errors_folder` (`<prefix>/_errors`), `output_files` / `error_files` (URI, rows, bytes each), `rows_in` / `rows_out` / `rows_errored` / `rows_resumed` / `rows_resume_stale` (saved rows dropped as their request changed), `errors_by_reason`, token totals, `timeline` and `rows_over_time`, `report_uri`, the engine's resolved settings and, with a price, `estimated_cost`.",
     ),
     (
         "VLLMBatchOperator, HttpLLMBatchOperator",

@@ -40,7 +40,14 @@ class Manifest(BaseModel):
     rows_in: int
     rows_out: int
     rows_errored: int
-    rows_resumed: int = 0
+    rows_resumed: int = Field(
+        0, description="Rows an earlier, unpublished attempt of this run answered for the same request, kept (resume)."
+    )
+    rows_resume_stale: int = Field(
+        0,
+        description="Rows an earlier attempt saved that were dropped: their request (input, prompt, model or "
+        "sampling) changed, or their id left the input. Those ids still present were answered again.",
+    )
     errors_by_reason: dict[str, int] = Field(default_factory=dict)
     input_tokens: int
     output_tokens: int

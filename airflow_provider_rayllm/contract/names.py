@@ -46,3 +46,6 @@ PROGRESS_LOG_PREFIX = "RAYLLM_PROGRESS "
 OUTPUT_TOKENS_IN = "num_input_tokens"
 OUTPUT_TOKENS_OUT = "num_generated_tokens"
 ERROR_COLUMN = "error"
+# A hash of the request a row was answered for (its rendered prompt or messages, sampling, model, task): a
+# saved answer is reused on resume only while its id and this key both match the current input's.
+REQUEST_KEY_COLUMN = "_request_key"

@@ -14,7 +14,13 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from airflow_provider_rayllm.contract.names import ERROR_COLUMN, OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, SPEC_VERSION
+from airflow_provider_rayllm.contract.names import (
+    ERROR_COLUMN,
+    OUTPUT_TOKENS_IN,
+    OUTPUT_TOKENS_OUT,
+    REQUEST_KEY_COLUMN,
+    SPEC_VERSION,
+)
 
 FileFormat = Literal["parquet", "jsonl", "csv"]
 SinkFormat = Literal["parquet", "jsonl"]
@@ -244,7 +250,8 @@ class PromptSpec(_Strict):
     pooling_params: dict[str, Any] | None = Field(None, description="vLLM pooling params (embed/classify/score).")
     postprocess: CallableRef | None = Field(
         None,
-        description="Callable output row -> dict, as in the guide: its dict is the output row, exactly.",
+        description="Callable output row -> dict, as in the guide: its dict is the output row, exactly (with "
+        "id_column, _request_key is added: a resumed attempt matches saved rows by it).",
         json_schema_extra=arg(renderer="py"),
     )
     lora_column: str | None = Field(
@@ -252,12 +259,15 @@ class PromptSpec(_Strict):
     )
     output_column: str = Field("response", description="Column that receives the generated text or embedding.")
     keep_columns: list[str] | None = Field(
-        None, description="Input columns copied to the output; all input columns when omitted."
+        None,
+        description="Input columns copied to the output; all input columns when omitted (but an earlier output's "
+        "_request_key: each output row carries the key of its own request).",
     )
     id_column: str | None = Field(
         None,
         description="Column with a unique id per row. With it, finished rows are saved as they finish, and a "
-        "later attempt of the same run (after a stop or failure) skips them instead of recomputing.",
+        "later attempt of the same run (after a stop or failure) skips them instead of recomputing, as long as "
+        "the row's request (its _request_key: prompt, model, sampling) is the same; a changed row is asked again.",
     )
     image_column: str | None = Field(
         None,
@@ -680,7 +690,7 @@ class JobSpec(_Strict):
                 raise ValueError(
                     "prompt.lora_column needs dynamic_lora_loading_path (the folder or bucket of adapters)"
                 )
-        reserved = {OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, ERROR_COLUMN}
+        reserved = {OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, ERROR_COLUMN, REQUEST_KEY_COLUMN}
         if p.output_column in reserved:
             raise ValueError(f"prompt.output_column {p.output_column!r} is reserved; pick another name")
         p.template_columns()  # raises a SpecError on a broken template

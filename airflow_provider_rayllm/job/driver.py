@@ -20,7 +20,12 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Iterator
 
-from airflow_provider_rayllm.contract.names import ERROR_COLUMN, OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT
+from airflow_provider_rayllm.contract.names import (
+    ERROR_COLUMN,
+    OUTPUT_TOKENS_IN,
+    OUTPUT_TOKENS_OUT,
+    REQUEST_KEY_COLUMN,
+)
 from airflow_provider_rayllm.contract.spec import JobSpec, PromptSpec
 from airflow_provider_rayllm.job import secrets
 from airflow_provider_rayllm.job.engines import open_engine
@@ -29,6 +34,7 @@ from airflow_provider_rayllm.job.errors import JobError, JobRefused
 from airflow_provider_rayllm.job.failpoints import FAILPOINT_ENV, failpoint
 from airflow_provider_rayllm.job.progress import AnswerCounter, ProgressLog
 from airflow_provider_rayllm.job.publish.publisher import Publisher
+from airflow_provider_rayllm.job.requests.keys import request_identity
 from airflow_provider_rayllm.job.requests.stage import RequestStage
 from airflow_provider_rayllm.job.sinks.files import ResultSink, totals
 from airflow_provider_rayllm.job.sources import open_input
@@ -52,10 +58,16 @@ def kept_columns(prompt: PromptSpec, columns: list[str]) -> list[str]:
     missing = [c for c in prompt.required_columns() if c not in columns]
     if missing:
         raise JobError(f"prompt needs column(s) {missing!r} that the input lacks; input columns: {columns!r}")
-    keep = prompt.keep_columns if prompt.keep_columns is not None else columns
+    # An earlier output read as input keeps its rows, not their old request keys (each row gets its own).
+    keep = prompt.keep_columns if prompt.keep_columns is not None else [c for c in columns if c != REQUEST_KEY_COLUMN]
     absent = [c for c in keep if c not in columns]
     if absent:
         raise JobError(f"prompt.keep_columns {absent!r} are not input columns; input columns: {columns!r}")
+    if REQUEST_KEY_COLUMN in keep:
+        raise JobError(
+            f"prompt.keep_columns: {REQUEST_KEY_COLUMN!r} is the job's own column (each output row's request key); "
+            "leave it out"
+        )
     clash = {prompt.output_column, OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, ERROR_COLUMN} & set(keep)
     if clash and prompt.postprocess is None:
         raise JobError(
@@ -77,6 +89,7 @@ def plan(
         counts=counts,
         lora=engine.lora(),
         saved_files=saved,
+        identity=request_identity(spec),
     )
     if spec.prompt.id_column:
         # One actor sees every id: the uniqueness check and the resume skip need one place.
@@ -277,12 +290,18 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         timeline = progress.timeline(counted, started)
         timeline["stream_done_s"] = round(stream_done - started, 3)
         series = progress.series(started)
+        reused = progress.reused_pairs() if saved else set()
     written = totals(sink.results)
     for example in written["error_examples"]:
         log_info("error row: %s", example)
 
     # 4. Counts agree, the error gate; nothing is published before both pass.
-    publisher.adopt_saved()
+    publisher.adopt_saved(reused)
+    if publisher.stale_rows:
+        log_info(
+            "resume: %d saved row(s) of earlier attempts dropped, as their request changed or their id left the input",
+            publisher.stale_rows,
+        )
     rows_in = publisher.check(counted, written)
 
     # 5. Publish: the table's rows staged, then the files to the prefix and the manifest (the table switched

@@ -36,6 +36,8 @@ class StreamCounts:
         self.answer_times: dict[str, float] = {}
         self.writes: dict[str, int] = {}
         self.saved_rows = 0
+        # (id, request key) of the rows skipped as saved, by the batch that skipped them.
+        self.reused: dict[str, list[Any]] = {}
         self.first_answer_at: float | None = None
         self.last_answer_at: float | None = None
         self.first_write_at: float | None = None
@@ -47,6 +49,14 @@ class StreamCounts:
 
     def saved(self, rows: int) -> None:
         self.saved_rows = rows
+
+    def reuse(self, key: str, pairs: list[Any]) -> None:
+        if pairs:
+            self.reused[key] = pairs
+
+    def reused_pairs(self) -> list[Any]:
+        """Every (id, request key) pair skipped as saved: the saved rows the adoption keeps."""
+        return [pair for pairs in self.reused.values() for pair in pairs]
 
     def answered(self, key: str, rows: int, errored: int, tokens_out: int, at: float) -> None:
         if self.first_answer_at is None or at < self.first_answer_at:
@@ -182,6 +192,12 @@ class ProgressLog:
         import ray
 
         return ray.get(self.counts.totals.remote(), timeout=60)
+
+    def reused_pairs(self) -> set[Any]:
+        """The (id, request key) pairs the request step skipped as saved."""
+        import ray
+
+        return {tuple(pair) for pair in ray.get(self.counts.reused_pairs.remote(), timeout=600)}
 
     def _report(self, final: bool = False) -> None:
         totals = self.totals()

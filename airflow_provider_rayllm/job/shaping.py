@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from airflow_provider_rayllm.contract.names import OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT
+from airflow_provider_rayllm.contract.names import OUTPUT_TOKENS_IN, OUTPUT_TOKENS_OUT, REQUEST_KEY_COLUMN
 from airflow_provider_rayllm.contract.spec import JobSpec
 from airflow_provider_rayllm.job.requests.callables import load_callable
 from airflow_provider_rayllm.job.stream import ERROR, KEPT_INPUT, to_python
@@ -21,12 +21,14 @@ class Shaped:
 
 
 class Shaper:
-    """An answered row -> the output row: ``{kept input columns, output_column, token counts}``, or what
-    the user's ``postprocess`` returns (exactly that) given the engine's view of the row."""
+    """An answered row -> the output row: ``{kept input columns, output_column, token counts, request key}``,
+    or what the user's ``postprocess`` returns given the engine's view of the row: exactly that, as in the
+    guide, but for the request key with ``id_column`` (resume matches saved rows by it)."""
 
     def __init__(self, spec: JobSpec, package_dir: str):
         self.output_column = spec.prompt.output_column
         self.postprocess_ref = spec.prompt.postprocess
+        self.resumable = spec.prompt.id_column is not None
         self.package_dir = package_dir
         self._postprocess: Callable[[dict], Any] | None = None
 
@@ -48,6 +50,7 @@ class Shaper:
         if error:
             return Shaped(None, str(error), 0, 0)
         kept = dict(row.get(KEPT_INPUT) or {})
+        key = {REQUEST_KEY_COLUMN: kept.pop(REQUEST_KEY_COLUMN, None)}
         try:
             value, tokens_in, tokens_out, extra = self.answer(row)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -60,6 +63,7 @@ class Shaper:
                 **extra,
                 OUTPUT_TOKENS_IN: tokens_in,
                 OUTPUT_TOKENS_OUT: tokens_out,
+                **key,
             }
             return Shaped(output, "", tokens_in, tokens_out)
         try:
@@ -68,4 +72,4 @@ class Shaper:
             return Shaped(None, f"postprocess: {type(exc).__name__}: {exc}", tokens_in, tokens_out)
         if not isinstance(result, dict):
             return Shaped(None, f"postprocess: returned {type(result).__name__}, not a dict", tokens_in, tokens_out)
-        return Shaped(to_python(result), "", tokens_in, tokens_out)
+        return Shaped({**to_python(result), **(key if self.resumable else {})}, "", tokens_in, tokens_out)

@@ -615,6 +615,8 @@ def test_a_retry_after_a_crash_reattaches_and_after_a_failure_runs_a_new_generat
 
 
 def test_a_stopped_job_run_again_does_not_recompute_finished_rows(ray_conn, echo, test_home):
+    """With id_column a retry resumes from the rows the stopped attempt saved, and reuses a saved row only
+    while its request is the same: rows whose input changed between the attempts are asked again."""
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
 
     hook = RayJobHook()
@@ -636,6 +638,13 @@ def test_a_stopped_job_run_again_does_not_recompute_finished_rows(ray_conn, echo
     assert saved, "the stopped job wrote no finished rows"
     assert len(saved) == len(set(saved)) and len(saved) < n
 
+    # Between the attempts the input changes for every fourth saved row and two rows not answered yet.
+    changed_saved = sorted(saved)[::4]
+    changed_unsaved = sorted(set(range(n)) - set(saved))[:2]
+    prompts = {i: f"resume row {i}" for i in range(n)}
+    prompts.update({i: f"resume row {i}, changed" for i in changed_saved + changed_unsaved})
+    write_jsonl(test_home / "inputs" / "resume.jsonl", [{"id": i, "prompt": prompts[i]} for i in range(n)])
+
     # The retry (same task instance, next try) is a new generation that sends only the other rows.
     retry_ti = StandInTI("reliability", "manual__resume", "resume", try_number=2)
     started = time.time()
@@ -645,22 +654,31 @@ def test_a_stopped_job_run_again_does_not_recompute_finished_rows(ray_conn, echo
     out = read_rows(manifest["output_files"])
     ids = [r["id"] for r in out]
     assert sorted(ids) == list(range(n)), "output ids must be complete and unique"
-    assert all(r["response"] == f"echo: resume row {r['id']}" for r in out)
-    assert manifest["rows_resumed"] == len(saved) and manifest["rows_out"] == n
+    stale = [r["id"] for r in out if r["response"] != f"echo: {prompts[r['id']]}"]
+    assert not stale, f"rows answered for an earlier input were published: {stale}"
+    reused = len(saved) - len(changed_saved)
+    assert (manifest["rows_resumed"], manifest["rows_resume_stale"]) == (reused, len(changed_saved))
+    assert manifest["rows_out"] == n
     requests = _stats(echo)["requests"]
-    recomputed = [i for i in saved if requests[f"resume row {i}"] != 1]
+    recomputed = [i for i in saved if i not in changed_saved and requests[prompts[i]] != 1]
     assert not recomputed, f"rows finished before the stop were sent again: {recomputed}"
-    never_sent = [i for i in range(n) if f"resume row {i}" not in sent_by_first]
-    assert all(requests[f"resume row {i}"] == 1 for i in never_sent)
+    assert all(requests[prompts[i]] == 1 for i in changed_saved), "each changed row is asked once, as it is now"
+    never_sent = [i for i in range(n) if prompts[i] not in sent_by_first]
+    assert all(requests[prompts[i]] == 1 for i in never_sent)
     assert not list((output_uri / "_generations").iterdir()), "the stopped attempt's folder went with the publish"
     assert pq.read_table(str(output_uri)).num_rows == n, "the prefix reads as the published rows, resumed ones once"
     record_figure(
         "resume",
         rows=n,
         rows_finished_before_stop=len(saved),
+        rows_changed_between_attempts=len(changed_saved) + len(changed_unsaved),
+        saved_rows_changed=len(changed_saved),
+        rows_resumed=manifest["rows_resumed"],
+        rows_resume_stale=manifest["rows_resume_stale"],
         requests_before_stop=sum(sent_by_first.values()),
         requests_after_resume=sum(requests.values()) - sum(sent_by_first.values()),
         finished_rows_sent_again=len(recomputed),
+        stale_rows_published=len(stale),
         rows_lost=n - len(set(ids)),
         duplicate_rows=len(ids) - len(set(ids)),
         resumed_job_seconds=round(seconds, 1),

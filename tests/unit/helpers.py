@@ -27,3 +27,8 @@ def guide_image_request(row):
         ],
         "sampling_params": {"max_tokens": 3, "detokenize": False},
     }
+
+
+def answer_only(row):
+    """A guide-style postprocess: the output row is the answer alone."""
+    return {"answer": row["response"]}

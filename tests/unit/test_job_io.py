@@ -1,5 +1,7 @@
 """File discovery and formats on the local filesystem (the bucket protocols are integration tests)."""
 
+import json
+
 import pytest
 
 from airflow_provider_rayllm.contract.spec import FileSource
@@ -145,3 +147,46 @@ def test_a_large_parquet_file_is_read_as_pieces_of_whole_row_groups(tmp_path):
     assert all(part.column_names == ["id", "prompt"] for part in parts)
     ids = [i for part in parts for i in part.column("id").to_pylist()]
     assert ids == list(range(total)) + [0, 1, 2]
+
+
+def test_a_glob_over_a_published_prefix_skips_our_hidden_entries_unless_it_names_them(tmp_path):
+    part = touch(tmp_path / "out" / "part-a-00000.jsonl")
+    errors = touch(tmp_path / "out" / "_errors" / "part-a-00000.jsonl")
+    touch(tmp_path / "out" / "_generations" / "g" / "outputs" / "part-000000.jsonl")
+    touch(tmp_path / "out" / "_manifest.json")
+    touch(tmp_path / "out" / "_SUCCESS")
+    touch(tmp_path / "out" / ".part-b.jsonl.crc")
+    for pattern in ("out/**/*.jsonl", "out/*", "out/**/*"):
+        assert source_files.expand(FileSource(uris=[str(tmp_path / pattern)])) == [str(part)], pattern
+    assert source_files.expand(FileSource(uris=[str(tmp_path / "out" / "_errors" / "*.jsonl")])) == [str(errors)]
+    assert source_files.expand(FileSource(uris=[str(tmp_path / "out" / "_err*" / "*.jsonl")])) == [str(errors)]
+
+
+BIG = "x" * (3 * source_files.PROBE_BYTES)  # one cell three times the probe and pyarrow's default block
+
+
+def test_a_first_row_longer_than_the_probe_is_read_for_the_columns(tmp_path):
+    jsonl = touch(tmp_path / "big.jsonl", json.dumps({"id": 0, "q": BIG}) + "\n" + json.dumps({"id": 1, "q": "a"}))
+    csv = touch(tmp_path / "big.csv", f"id,q\n0,{BIG}\n1,a\n")
+    assert source_files.probe("jsonl", [str(jsonl)]) == (["id", "q"], True)
+    assert source_files.probe("csv", [str(csv)]) == (["id", "q"], True)
+    one_line = touch(tmp_path / "one.jsonl", json.dumps({"id": 0, "q": BIG}))  # no newline at its end
+    assert source_files.probe("jsonl", [str(one_line)]) == (["id", "q"], True)
+
+
+@pytest.mark.parametrize("where", ["first", "middle"])
+def test_csv_rows_longer_than_the_block_are_read_once_each_with_the_first_blocks_types(tmp_path, where):
+    small = [f"{i},row {i}" for i in range(1, 40_000)]  # more than a block of small rows before the long one
+    rows = [f"0,{BIG}", *small] if where == "first" else [*small, f"0,{BIG}", "40000,last"]
+    path = touch(tmp_path / "rows.csv", "id,q\n" + "\n".join(rows) + "\n")
+    tables = list(source_files.csv_tables(str(path)))
+    ids = [i for t in tables for i in t.column("id").to_pylist()]
+    assert sorted(ids) == sorted(int(r.split(",", 1)[0]) for r in rows), "every row once"
+    assert len({t.schema for t in tables}) == 1
+    assert max(len(q) for t in tables for q in t.column("q").to_pylist()) == len(BIG)
+
+
+def test_an_unreadable_csv_names_the_file(tmp_path):
+    path = touch(tmp_path / "bad.csv", "id,q\n1,a\n2,b,c\n")
+    with pytest.raises(JobError, match="bad.csv' is not readable as csv"):
+        list(source_files.csv_tables(str(path)))

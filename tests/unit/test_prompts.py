@@ -5,7 +5,9 @@ import time
 
 import pytest
 
+from airflow_provider_rayllm.contract.names import REQUEST_KEY_COLUMN
 from airflow_provider_rayllm.contract.spec import PromptSpec
+from airflow_provider_rayllm.job.requests.keys import KEY_CHARS
 from airflow_provider_rayllm.job.requests.prompts import RequestBuilder
 from airflow_provider_rayllm.job.stream import KEPT_INPUT, PRE_ERROR, REQUEST
 
@@ -21,7 +23,9 @@ def test_prompt_column_with_system_prompt():
     request = json.loads(out[REQUEST])
     assert request["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
     assert request["sampling_params"] == {"max_tokens": 5}
-    assert out[KEPT_INPUT] == {"id": 1, "q": "Why?"}
+    kept = dict(out[KEPT_INPUT])
+    assert len(kept.pop(REQUEST_KEY_COLUMN)) == KEY_CHARS, "every request carries its key beside the kept columns"
+    assert kept == {"id": 1, "q": "Why?"}
     assert out[PRE_ERROR] == ""
 
 

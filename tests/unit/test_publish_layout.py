@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from airflow_provider_rayllm.contract.names import ERRORS_DIR, MANIFEST_NAME, SUCCESS_MARKER
+from airflow_provider_rayllm.contract.names import ERRORS_DIR, MANIFEST_NAME, REQUEST_KEY_COLUMN, SUCCESS_MARKER
 from airflow_provider_rayllm.contract.spec import FileSource, parse_spec
 from airflow_provider_rayllm.contract.storage import read_manifest
 from airflow_provider_rayllm.job.publish import generations, resume
@@ -202,11 +202,16 @@ def test_a_resumed_attempt_publishes_the_saved_rows_moved_with_its_own(tmp_path)
     spec = _spec(str(prefix), "manual__1", id_column="id")
     stopped = generations.start(spec)
     saved = _write(
-        prefix / "_generations" / stopped.name / OUTPUTS, "part-000000.parquet", [{"id": 0, "response": "a"}]
+        prefix / "_generations" / stopped.name / OUTPUTS,
+        "part-000000.parquet",
+        [
+            {"id": 0, "response": "a", REQUEST_KEY_COLUMN: "k0"},
+            {"id": 2, "response": "stale", REQUEST_KEY_COLUMN: "k2"},
+        ],
     )
     publisher = Publisher(spec, generations.start(spec))
     assert publisher.find_saved() == [saved["uri"]]
-    publisher.adopt_saved()
+    publisher.adopt_saved({(0, "k0")})  # id 2's request changed since: the stream asked it again
     written = {
         "output_files": [
             _write(
@@ -222,11 +227,11 @@ def test_a_resumed_attempt_publishes_the_saved_rows_moved_with_its_own(tmp_path)
         "input_tokens": 0,
         "output_tokens": 0,
     }
-    publisher.check({"rows_read": 2, "rows_skipped": 1, "rows_saved": 1}, written)
+    publisher.check({"rows_read": 2, "rows_skipped": 1, "rows_saved": 2}, written)
     body = publisher.publish(written, _build(publisher, 2))
     assert publisher.remove_older() == [stopped.name]
     assert sorted(pq.read_table(str(prefix)).column("id").to_pylist()) == [0, 1]
-    assert body["rows_resumed"] == 1 and len(body["output_files"]) == 2
+    assert body["rows_resumed"] == 1 and body["rows_resume_stale"] == 1 and len(body["output_files"]) == 2
     assert not (prefix / "_generations").exists() or not list((prefix / "_generations").iterdir())
     assert resume.saved_files(str(prefix), generations.start(spec), body["generation"]) == []
 

@@ -59,7 +59,7 @@ LEGACY_MANIFEST = "manifest.json"
 
 
 def check_counts(counted: dict[str, Any], written: dict[str, Any], adopted_rows: int) -> None:
-    """Every row read is answered, failed or resumed, once; resumed rows are exactly the saved ones."""
+    """Every row read is answered, failed or resumed, once; the resumed rows are exactly the saved rows adopted."""
     read, skipped = counted["rows_read"], counted["rows_skipped"]
     answered = written["rows_out"] + written["rows_errored"]
     if read != answered + skipped:
@@ -67,11 +67,11 @@ def check_counts(counted: dict[str, Any], written: dict[str, Any], adopted_rows:
             f"row accounting: {read} rows were read but {written['rows_out']} answered + {written['rows_errored']} "
             f"error rows + {skipped} resumed = {answered + skipped}; nothing was published"
         )
-    if skipped != counted["rows_saved"] or adopted_rows != counted["rows_saved"]:
+    if adopted_rows != skipped:
         raise JobError(
-            f"resume: the earlier attempt saved {counted['rows_saved']} row(s) ({adopted_rows} in its files), but "
-            f"only {skipped} of their ids are in this input; the input changed since, so the saved rows are stale. "
-            "Clear the task to compute every row again; nothing was published"
+            f"resume: {skipped} row(s) were skipped as saved by an earlier attempt, but its files hold {adopted_rows} "
+            f"of them (of {counted['rows_saved']} saved); the saved files changed while the job ran. Clear the task "
+            "to compute every row again; nothing was published"
         )
 
 
@@ -99,7 +99,7 @@ class Publisher:
         self.errors_folder = filesystems.join(self.uri, ERRORS)
         self.published_errors = filesystems.join(self.output_uri, ERRORS_DIR)
         self.saved: list[str] = []
-        self.adopted: list[dict[str, Any]] = []
+        self.adoption = resume.Adoption()
         self.published: dict[str, Any] | None = None
 
     @classmethod
@@ -119,14 +119,21 @@ class Publisher:
         )
         return self.saved
 
-    def adopt_saved(self) -> list[dict[str, Any]]:
-        """The saved files, copied into this generation's outputs; their entries for the manifest."""
-        self.adopted = resume.adopt(self.saved, self.uri) if self.saved else []
-        return self.adopted
+    def adopt_saved(self, reused: set[Any]) -> list[dict[str, Any]]:
+        """The saved rows the stream skipped (their (id, request key) pairs, ``reused``), adopted into this
+        generation's outputs; the adopted files' entries for the manifest."""
+        if self.saved and self.spec.prompt.id_column:
+            self.adoption = resume.adopt(self.saved, self.uri, self.spec.prompt.id_column, reused)
+        return self.adoption.files
 
     @property
     def adopted_rows(self) -> int:
-        return sum(f["rows"] for f in self.adopted)
+        return self.adoption.rows
+
+    @property
+    def stale_rows(self) -> int:
+        """Saved rows of earlier attempts left out: their request changed, or their id left the input."""
+        return self.adoption.stale_rows
 
     def check(self, counted: dict[str, Any], written: dict[str, Any]) -> int:
         """The gates before anything is published: the counts agree, rows came, the error fraction is within
@@ -135,7 +142,7 @@ class Publisher:
         rows_in = counted["rows_read"]
         if rows_in == 0:
             raise JobError("source: no rows reached the job")
-        written["output_files"] = sorted(written["output_files"] + self.adopted, key=lambda f: f["uri"])
+        written["output_files"] = sorted(written["output_files"] + self.adoption.files, key=lambda f: f["uri"])
         written["rows_out"] += self.adopted_rows
         check_error_fraction(written["rows_errored"], rows_in, self.spec.limits.max_error_fraction, self.errors_folder)
         return rows_in
@@ -199,6 +206,7 @@ class Publisher:
             written=written,
             rows_in=rows_in,
             rows_resumed=self.adopted_rows,
+            rows_resume_stale=self.stale_rows,
             started_at=started_at,
             wall_time_s=wall_time_s,
             timeline=timeline,

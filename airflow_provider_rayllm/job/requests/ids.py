@@ -1,44 +1,66 @@
-"""The id column: each id once, and the ids an earlier attempt of this run answered skipped (resume)."""
+"""The id column: each id once, and the rows an earlier attempt of this run answered for the same request
+skipped (resume)."""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Hashable
 
+from airflow_provider_rayllm.contract.names import REQUEST_KEY_COLUMN
 from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.stream import is_empty
 
+Pair = tuple[Hashable, Any]
 
-def read_ids(files: list[str], id_column: str) -> set[Any]:
-    """The ids in the given output files (only that column is read)."""
-    import pyarrow.json as pajson
+
+def read_pairs(uri: str, id_column: str) -> list[Pair]:
+    """(id, request key) of each row of one output file; the key is None in a file written without keys,
+    so such a row is never reused."""
     import pyarrow.parquet as pq
 
-    ids: set[Any] = set()
+    fs, path = filesystems.filesystem_for(uri)
+    with fs.open_input_file(path) as handle:
+        if not uri.endswith(".parquet"):  # JSON lines, parsed one by one: a row may be longer than any block
+            rows = [json.loads(line) for line in handle.read().splitlines() if line.strip()]
+            if any(id_column not in row for row in rows):
+                raise JobError(f"saved rows in {uri!r} have no id column {id_column!r}")
+            return [(row[id_column], row.get(REQUEST_KEY_COLUMN)) for row in rows]
+        names = pq.ParquetFile(handle).schema_arrow.names
+        if id_column not in names:
+            raise JobError(f"saved rows in {uri!r} have no id column {id_column!r}; columns: {names!r}")
+        table = pq.read_table(handle, columns=[c for c in (id_column, REQUEST_KEY_COLUMN) if c in names])
+    ids = table.column(id_column).to_pylist()
+    if REQUEST_KEY_COLUMN not in table.column_names:
+        return [(i, None) for i in ids]
+    return list(zip(ids, table.column(REQUEST_KEY_COLUMN).to_pylist()))
+
+
+def read_saved(files: list[str], id_column: str) -> tuple[set[Pair], int]:
+    """The (id, request key) pairs in the given output files, and the rows they hold."""
+    pairs: set[Pair] = set()
+    rows = 0
     for uri in files:
-        fs, path = filesystems.filesystem_for(uri)
-        with fs.open_input_file(path) as handle:
-            table = pq.read_table(handle, columns=[id_column]) if uri.endswith(".parquet") else pajson.read_json(handle)
-        if id_column not in table.column_names:
-            raise JobError(f"saved rows in {uri!r} have no id column {id_column!r}; columns: {table.column_names!r}")
-        ids.update(table.column(id_column).to_pylist())
-    return ids
+        found = read_pairs(uri, id_column)
+        pairs.update(found)
+        rows += len(found)
+    return pairs, rows
 
 
 class IdGate:
-    """Each id once (a repeat fails the job, naming it); ids answered by an earlier attempt are skipped."""
+    """Each id once (a repeat fails the job, naming it); a row whose id and request key an earlier attempt
+    saved is skipped. A saved row whose request changed since is not matched: the row is asked again."""
 
-    def __init__(self, id_column: str, saved_files: list[str], counts: Any):
+    def __init__(self, id_column: str, saved_files: list[str]):
         self.column = id_column
-        self.saved = read_ids(saved_files, id_column)
+        self.saved, self.saved_rows = read_saved(saved_files, id_column)
         self.seen: set[Any] = set()
-        import ray
 
-        ray.get(counts.saved.remote(len(self.saved)))
-
-    def admit(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-        kept = []
-        for row in rows:
+    def admit(self, rows: list[dict[str, Any]], keys: list[Any]) -> tuple[list[int], list[Pair]]:
+        """(the positions of the rows to ask, the (id, key) pairs of the rows skipped as saved)."""
+        kept: list[int] = []
+        reused: list[Pair] = []
+        for position, (row, key) in enumerate(zip(rows, keys)):
             value = row.get(self.column)
             if is_empty(value):
                 raise JobError(
@@ -47,6 +69,8 @@ class IdGate:
             if value in self.seen:
                 raise JobError(f"id_column {self.column!r} must be unique per row: {value!r} appears more than once")
             self.seen.add(value)
-            if value not in self.saved:
-                kept.append(row)
-        return kept, len(rows) - len(kept)
+            if key is not None and (value, key) in self.saved:
+                reused.append((value, key))
+            else:
+                kept.append(position)
+        return kept, reused

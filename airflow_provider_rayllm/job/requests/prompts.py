@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from airflow_provider_rayllm.contract.names import REQUEST_KEY_COLUMN
 from airflow_provider_rayllm.contract.spec import PromptSpec
 from airflow_provider_rayllm.job.requests.callables import load_callable
 from airflow_provider_rayllm.job.requests.images import guide_image_parts, image_data_url, image_url, is_image
+from airflow_provider_rayllm.job.requests.keys import request_key
 from airflow_provider_rayllm.job.requests.lora import LoraRouting
 from airflow_provider_rayllm.job.requests.sampling import normalize_sampling_params
 from airflow_provider_rayllm.job.stream import KEPT_INPUT, PRE_ERROR, REQUEST, is_empty
@@ -27,7 +29,8 @@ def _jsonable(value: Any) -> Any:
 
 
 class RequestBuilder:
-    """Row -> {kept input columns, request JSON, error}. A row that cannot be turned into a request becomes an error row."""
+    """Row -> {kept input columns and the request's key, request JSON, error}. A row that cannot be turned
+    into a request becomes an error row (with no key: it has no request)."""
 
     def __init__(
         self,
@@ -36,11 +39,13 @@ class RequestBuilder:
         keep: list[str],
         package_dir: str,
         lora: LoraRouting | None = None,
+        identity: dict[str, Any] | None = None,
     ):
         self.prompt = prompt
         self.task_type = task_type
         self.keep = keep
         self.lora = lora
+        self.identity = identity or {"task_type": task_type}
         self.preprocess = load_callable(prompt.preprocess, package_dir) if prompt.preprocess else None
         self.sampling_params = normalize_sampling_params(prompt.sampling_params)
         self.pooling_params = dict(prompt.pooling_params) if prompt.pooling_params else None
@@ -121,8 +126,11 @@ class RequestBuilder:
             body = self.request(row)
             if self.lora is not None:
                 body["model"] = self.lora.model_for(row.get(self.prompt.lora_column or ""))
-            request = json.dumps(_jsonable(body))
+            body = _jsonable(body)
+            request, key = json.dumps(body), request_key(self.identity, body)
             error = ""
         except Exception as exc:  # one bad row must not stop the job
-            request, error = "{}", f"prompt: {type(exc).__name__}: {exc}"
+            request, key, error = "{}", None, f"prompt: {type(exc).__name__}: {exc}"
+        # Inside the kept columns, the key travels through every engine untouched, as they do.
+        kept[REQUEST_KEY_COLUMN] = key
         return {KEPT_INPUT: kept, REQUEST: request, PRE_ERROR: error}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from airflow_provider_rayllm.contract.names import REQUEST_KEY_COLUMN
 from airflow_provider_rayllm.contract.spec import PromptSpec
 from airflow_provider_rayllm.job.requests.ids import IdGate
 from airflow_provider_rayllm.job.requests.lora import LoraRouting
@@ -15,9 +16,10 @@ class RequestStage:
     """Ray Data stage: a batch of input rows -> their requests, counted into the job's ``StreamCounts`` as read.
 
     With ``id_column`` it also refuses a duplicate or missing id (the uniqueness check, done as the rows
-    stream by) and drops the rows an earlier attempt of this run already answered (resume). Holding the
-    ids needs one place that sees every row, so with ``id_column`` the stage runs as a single actor; the
-    ids live there, never in the driver.
+    stream by) and drops the rows an earlier attempt of this run already answered for the same request
+    (resume: the request is built first, as its key decides). Holding the ids needs one place that sees
+    every row, so with ``id_column`` the stage runs as a single actor; the ids live there, never in the
+    driver, and the stage reports the skipped rows' (id, key) pairs to ``StreamCounts`` for the adoption.
     """
 
     def __init__(
@@ -29,25 +31,32 @@ class RequestStage:
         counts: Any,
         lora: LoraRouting | None = None,
         saved_files: list[str] | None = None,
+        identity: dict[str, Any] | None = None,
     ):
-        self.builder = RequestBuilder(prompt, task_type, keep, package_dir, lora)
+        self.builder = RequestBuilder(prompt, task_type, keep, package_dir, lora, identity)
         self.counts = counts
-        self.ids = IdGate(prompt.id_column, saved_files or [], counts) if prompt.id_column else None
+        self.ids = IdGate(prompt.id_column, saved_files or []) if prompt.id_column else None
+        if self.ids is not None:
+            import ray
+
+            ray.get(counts.saved.remote(self.ids.saved_rows))
         self.calls: dict[str, int] = {}
 
     def __call__(self, batch: Any) -> dict[str, list[Any]]:
-        rows = batch.to_pylist()
-        from airflow_provider_rayllm.job.progress import call_key
-
-        key = call_key(self.calls)
-        if self.ids is not None:
-            rows, skipped = self.ids.admit(rows)
-        else:
-            skipped = 0
-        built = [self.builder(row) for row in rows]
         import ray
 
-        ray.get(self.counts.read.remote(key, len(rows) + skipped, skipped))
+        from airflow_provider_rayllm.job.progress import call_key
+
+        rows = batch.to_pylist()
+        key = call_key(self.calls)
+        built = [self.builder(row) for row in rows]
+        skipped = 0
+        if self.ids is not None:
+            asked, reused = self.ids.admit(rows, [b[KEPT_INPUT][REQUEST_KEY_COLUMN] for b in built])
+            built, skipped = [built[i] for i in asked], len(reused)
+            if reused:
+                ray.get(self.counts.reuse.remote(key, reused))
+        ray.get(self.counts.read.remote(key, len(rows), skipped))
         return {
             KEPT_INPUT: [b[KEPT_INPUT] for b in built],
             REQUEST: [b[REQUEST] for b in built],

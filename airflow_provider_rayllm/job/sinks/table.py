@@ -34,7 +34,7 @@ import re
 from datetime import date, datetime
 from typing import Any
 
-from airflow_provider_rayllm.contract.names import SINK_SQL_URI_ENV
+from airflow_provider_rayllm.contract.names import REQUEST_KEY_COLUMN, SINK_SQL_URI_ENV
 from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.databases import connect, quote
 from airflow_provider_rayllm.job.errors import JobError
@@ -85,7 +85,11 @@ def _read(uri: str) -> Any:
 
     fs, path = filesystems.filesystem_for(uri)
     with fs.open_input_file(path) as handle:
-        return pq.read_table(handle) if uri.endswith(".parquet") else pajson.read_json(handle)
+        if uri.endswith(".parquet"):
+            return pq.read_table(handle)
+        # The whole file as one block: a row longer than pyarrow's default block fails its parse.
+        block = min(max(handle.size(), 1), (1 << 31) - 1)
+        return pajson.read_json(handle, read_options=pajson.ReadOptions(block_size=block))
 
 
 def _schema(files: list[str]) -> Any:
@@ -161,8 +165,9 @@ def drop_quietly(conn: Any, table_sql: str) -> None:
         pass
 
 
-def _prepare_table(cur: Any, dialect: str, table: str, names: list[str], types: list[Any]) -> str:
-    """The output table, created (empty) when missing; refused when it lacks a column this output has."""
+def _prepare_table(cur: Any, dialect: str, table: str, names: list[str], types: list[Any]) -> tuple[str, list[str]]:
+    """The output table, created (empty) when missing; refused when it lacks a column this output has. Returns
+    the table as SQL and the columns to write (an older table without request keys is written without them)."""
     table_sql = quote_table(table, dialect)
     existing = _existing_columns(cur, table_sql)
     if dialect == "postgresql":
@@ -177,13 +182,16 @@ def _prepare_table(cur: Any, dialect: str, table: str, names: list[str], types: 
         )
         cur.execute(f"CREATE TABLE {table_sql} ({definitions})")
     else:
+        # A table made before outputs carried request keys keeps working without them.
+        if REQUEST_KEY_COLUMN in names and REQUEST_KEY_COLUMN not in existing:
+            names = [n for n in names if n != REQUEST_KEY_COLUMN]
         missing = [n for n in names if n not in existing]
         if missing:
             raise JobError(
                 f"output_table {table!r} has no column(s) {missing!r} that this run's output has; its columns: "
                 f"{existing!r} (the output's schema changed: write to a new table, or add the columns); nothing was written"
             )
-    return table_sql
+    return table_sql, names
 
 
 def stage(files: list[str], dialect: str, table: str, run_key: str, generation: str, batch_rows: int = 1000) -> int:
@@ -203,12 +211,13 @@ def stage(files: list[str], dialect: str, table: str, run_key: str, generation: 
     mark = _PLACEHOLDER[dialect]
     staged = staged_table(table, generation)
     staged_sql = quote_table(staged, dialect)
-    insert = f"INSERT INTO {staged_sql} ({', '.join(quote(n, dialect) for n in names)}) VALUES ({', '.join([mark] * len(names))})"
     conn = connect(dialect, SINK_SQL_URI_ENV)
     written = 0
     try:
         cur = conn.cursor()
-        table_sql = _prepare_table(cur, dialect, table, names, types)
+        table_sql, names = _prepare_table(cur, dialect, table, names, types)
+        schema_names = names[2:]
+        insert = f"INSERT INTO {staged_sql} ({', '.join(quote(n, dialect) for n in names)}) VALUES ({', '.join([mark] * len(names))})"
         ledger_sql = ensure_ledger(cur, dialect, table)
         conn.commit()  # the output table and the ledger exist (MySQL commits its DDL at once anyway)
         cur.execute(f"DROP TABLE IF EXISTS {staged_sql}")
