@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable
 
 from airflow_provider_rayllm.contract.progress import Progress
+from airflow_provider_rayllm.job.budget import Budget
 
 INTERVAL_S = 10.0
 # A line at least this often even when nothing changed (an engine starting, a slow first batch).
@@ -31,6 +32,7 @@ class StreamCounts:
     def __init__(self) -> None:
         self.reads: dict[str, tuple[int, int]] = {}
         self.answers: dict[str, tuple[int, int, int]] = {}
+        self.tokens_in: dict[str, int] = {}
         self.writes: dict[str, int] = {}
         self.saved_rows = 0
         self.first_answer_at: float | None = None
@@ -45,12 +47,17 @@ class StreamCounts:
     def saved(self, rows: int) -> None:
         self.saved_rows = rows
 
-    def answered(self, key: str, rows: int, errored: int, tokens_out: int, at: float) -> None:
+    def answered(
+        self, key: str, rows: int, errored: int, tokens_out: int, at: float, tokens_in: int = 0
+    ) -> tuple[int, int]:
+        """Count one answered batch; returns the job's tokens (in, out) so far, for its budgets."""
         if self.first_answer_at is None or at < self.first_answer_at:
             self.first_answer_at = at
         if self.last_answer_at is None or at > self.last_answer_at:
             self.last_answer_at = at
         self.answers[key] = (rows, errored, tokens_out)
+        self.tokens_in[key] = tokens_in
+        return sum(self.tokens_in.values()), sum(a[2] for a in self.answers.values())
 
     def wrote(self, key: str, files: int, at: float) -> None:
         if self.answered_at_first_write is None:
@@ -67,6 +74,7 @@ class StreamCounts:
             "rows_answered": sum(a[0] for a in self.answers.values()),
             "rows_errored": sum(a[1] for a in self.answers.values()),
             "tokens_out": sum(a[2] for a in self.answers.values()),
+            "tokens_in": sum(self.tokens_in.values()),
             "files_written": sum(self.writes.values()),
             "first_answer_at": self.first_answer_at,
             "last_answer_at": self.last_answer_at,
@@ -86,11 +94,20 @@ def call_key(calls: dict[str, int]) -> str:
 
 
 class AnswerCounter:
-    """A stage right after the engine: counts each answered batch (rows, error rows, tokens out) into
-    ``StreamCounts`` and passes the batch on unchanged."""
+    """A stage right after the engine: counts each answered batch (rows, error rows, tokens in and out) into
+    ``StreamCounts``, stops the run when the job's totals pass a budget (``budget.Budget``), and passes the
+    batch on unchanged."""
 
-    def __init__(self, counts: Any, error_column: str, tokens_out: Callable[[Any], int]):
+    def __init__(
+        self,
+        counts: Any,
+        error_column: str,
+        tokens_out: Callable[[Any], int],
+        tokens_in: Callable[[Any], int] | None = None,
+        budget: Budget | None = None,
+    ):
         self.counts, self.error_column, self.tokens_out = counts, error_column, tokens_out
+        self.tokens_in, self.budget = tokens_in, budget
         self.calls: dict[str, int] = {}
 
     def __call__(self, batch: Any) -> Any:
@@ -102,7 +119,13 @@ class AnswerCounter:
             column = pc.fill_null(batch.column(self.error_column).cast("string"), "")
             errored = int(pc.sum(pc.not_equal(column, "")).as_py() or 0)
         tokens = self.tokens_out(batch)
-        ray.get(self.counts.answered.remote(call_key(self.calls), batch.num_rows, errored, tokens, time.time()))
+        tokens_in = self.tokens_in(batch) if self.tokens_in is not None else 0
+        now = time.time()
+        spent_in, spent_out = ray.get(
+            self.counts.answered.remote(call_key(self.calls), batch.num_rows, errored, tokens, now, tokens_in)
+        )
+        if self.budget is not None:
+            self.budget.check(spent_in, spent_out, now)
         return batch
 
 

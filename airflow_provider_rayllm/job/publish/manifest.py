@@ -33,6 +33,7 @@ def build(
     details: dict[str, Any],
     versions: dict[str, str],
     table_rows: int = 0,
+    canary: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     table = spec.sink.table
     body = {
@@ -68,6 +69,7 @@ def build(
         "output_table": (
             {"table": table.table, "run_key": table.run_key, "rows": table_rows} if table is not None else None
         ),
+        "canary": canary,
     }
     return Manifest.model_validate(body).model_dump(mode="json")
 

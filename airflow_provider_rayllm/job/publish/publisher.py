@@ -154,6 +154,7 @@ class Publisher:
         details: dict[str, Any],
         versions: dict[str, str],
         table_rows: int = 0,
+        canary: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The manifest's body for this generation."""
         return manifest.build(
@@ -171,6 +172,7 @@ class Publisher:
             details=details,
             versions=versions,
             table_rows=table_rows,
+            canary=canary,
         )
 
     def publish(self, written: dict[str, Any], build: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
