@@ -57,7 +57,7 @@ XCOM = [
     (
         "VLLMBatchOperator, HttpLLMBatchOperator",
         "`return_value`",
-        "The manifest: `output_uri` (the task's prefix), `outputs_folder` (the prefix itself: its visible files are the published rows) and `errors_folder` (`<prefix>/_errors`), `output_files` / `error_files` (URI, rows, bytes each), `rows_in` / `rows_out` / `rows_errored` / `rows_resumed` / `rows_resume_stale` (saved rows dropped as their request changed), `errors_by_reason`, token totals, `timeline` and `rows_over_time`, `report_uri`, the engine's resolved settings and, with a price, `estimated_cost`.",
+        "The manifest: `output_uri` (the task's prefix), `outputs_folder` (the prefix itself: its visible files are the published rows) and `errors_folder` (`<prefix>/_errors`), `output_files` / `error_files` (URI, rows, bytes each), `rows_in` / `rows_out` / `rows_errored` / `rows_resumed` / `rows_resume_stale` (saved rows dropped as their request changed), `errors_by_reason`, token totals, `timeline` and `rows_over_time`, `report_uri`, the engine's resolved settings, `estimated_cost` (None without a price) and, with `canary_rows`, `canary` (its figures and verdict).",
     ),
     (
         "VLLMBatchOperator, HttpLLMBatchOperator",
@@ -89,6 +89,32 @@ XCOM = [
         "`submission_id`, `ray_job_url`",
         "The Ray job's submission id and its page in the Ray dashboard.",
     ),
+]
+
+# How the Limits group's canary, gate, prices and budgets work together (the tables say each one alone).
+CANARY_AND_BUDGETS = [
+    "## Canary, quality gate, cost and budgets\n",
+    "With `canary_rows=N` the job answers the first N input rows first and judges them against `quality_gate`",
+    "(without one, against `max_error_fraction`). `quality_gate` is a `QualityGate` or a dict with any of",
+    "`max_error_rate`, `min_json_schema_pass_rate` (needs a JSON schema in `sampling_params`:",
+    "`structured_outputs={'json': schema}` or `guided_json`), `min_mean_output_chars`, and `check`: a",
+    "`'package.module:function'` (or a function, pickled with the job) called inside the job with the canary's",
+    "output rows, returning `(passed, reason)`.\n",
+    "- A failing canary stops the job before the rest of the input is read: only the canary's rows are sent. It",
+    "  writes `_canary.json` (gate, figures, reasons, a few failing rows, tokens, estimated cost) to",
+    "  `<output_uri>/_generations/<attempt>/`, logs the failing rows, publishes nothing (an earlier publish",
+    "  stays as it was) and fails the task with `RayJobRefused` (an `AirflowFailException`: no retry).",
+    "- A passing canary's rows are part of the output: the rest of the input is read without them (matched by",
+    "  each row's content, once per canary row), so every row is answered once. The manifest's `canary` key",
+    "  holds its verdict and figures. With a vLLM engine the canary and the rest are two streams, so the",
+    "  engine starts twice; an endpoint costs nothing more.\n",
+    "Every manifest has `estimated_cost` (None without a price): engine time x `price_per_hour` for vLLM",
+    "(default: the `ray` connection's extra `price_per_hour`), tokens x `price_per_1k_input_tokens` /",
+    "`price_per_1k_output_tokens` for an endpoint (default: the endpoint connection's extras).",
+    "`max_tokens_budget` (input + output tokens) and `max_cost` are checked as each batch of answers arrives",
+    "(the canary's included): a run that passes one stops there, publishes nothing and fails the task with",
+    "`RayJobRefused` naming the budget and what was spent. What is spent beyond the budget is at most the",
+    "batches in flight when it passed.\n",
 ]
 
 
@@ -187,7 +213,8 @@ def render() -> str:
         "|---|---|---|---|",
     ]
     parts += [_row(RayJobOperator, a) for a in JOB]
-    parts += ["", "## XCom\n", "| operator | key | value |", "|---|---|---|"]
+    parts += ["", *CANARY_AND_BUDGETS]
+    parts += ["## XCom\n", "| operator | key | value |", "|---|---|---|"]
     parts += [f"| {op} | {key} | {value} |" for op, key, value in XCOM]
     parts += ["", REPORT]
     return "\n".join(parts)

@@ -73,3 +73,9 @@ class Manifest(BaseModel):
     versions: dict[str, str]
     run: dict[str, Any]
     output_table: dict[str, Any] | None = None
+    estimated_cost: float | None = Field(
+        None, description="What the run cost at the prices given (engine time or tokens); None without a price."
+    )
+    canary: dict[str, Any] | None = Field(
+        None, description="With canary_rows: the canary's rows, figures and verdict (its rows are in the output)."
+    )

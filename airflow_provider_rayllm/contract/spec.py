@@ -411,8 +411,9 @@ class VLLMProcessorSpec(_Strict):
     price_per_hour: float | None = Field(
         None,
         ge=0,
-        description="Price of one GPU-hour (one CPU-hour on a CPU cluster), for the manifest's estimated_cost: the "
-        "engine actors' lifetime x the GPUs (CPUs) each reserves x this price.",
+        description="Price of one GPU-hour (one CPU-hour on a CPU cluster), for the manifest's estimated_cost (the "
+        "engine actors' lifetime x the GPUs (CPUs) each reserves x this price) and max_cost; default: the ray "
+        "connection's extra price_per_hour.",
     )
     log_engine_metrics: bool = Field(False, description="Export vLLM metrics through Ray's Prometheus endpoint.")
     usage_stats: bool = Field(
@@ -533,8 +534,18 @@ class HttpProcessorSpec(_Strict):
     timeout_s: float = Field(120.0, gt=0, description="Timeout of one request.")
     backoff_base_s: float = Field(0.5, gt=0, description="First backoff ceiling (doubles per retry, full jitter).")
     backoff_max_s: float = Field(30.0, gt=0, description="Longest wait between two attempts.")
-    price_per_1k_input_tokens: float | None = Field(None, ge=0, description="For the manifest's cost estimate.")
-    price_per_1k_output_tokens: float | None = Field(None, ge=0, description="For the manifest's cost estimate.")
+    price_per_1k_input_tokens: float | None = Field(
+        None,
+        ge=0,
+        description="Price of 1000 prompt tokens, for the manifest's estimated_cost and max_cost; default: the "
+        "endpoint connection's extra of the same name.",
+    )
+    price_per_1k_output_tokens: float | None = Field(
+        None,
+        ge=0,
+        description="Price of 1000 generated tokens, for the manifest's estimated_cost and max_cost; default: the "
+        "endpoint connection's extra of the same name.",
+    )
 
     @field_validator("base_url")
     @classmethod
@@ -620,6 +631,47 @@ class SinkSpec(_Strict):
         return _check_uri("output_uri", value).rstrip("/")
 
 
+class QualityGate(_Strict):
+    """What the canary's answers must meet before the full input is read (each test given is applied)."""
+
+    max_error_rate: float | None = Field(
+        None, ge=0.0, le=1.0, description="Largest share of the canary's rows that may be error rows."
+    )
+    min_json_schema_pass_rate: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Smallest share of the canary's answered rows whose answer parses as JSON valid against the "
+        "schema asked for in sampling_params (structured_outputs json, or guided_json).",
+    )
+    min_mean_output_chars: float | None = Field(
+        None, ge=0.0, description="Smallest mean length, in characters, of the canary's answers (output_column)."
+    )
+    check: CallableRef | None = Field(
+        None,
+        description="'package.module:function' run inside the job on the canary's output rows (a list of dicts); "
+        "it returns (passed: bool, reason: str).",
+    )
+
+    @field_validator("check", mode="before")
+    @classmethod
+    def _import_path(cls, value: Any) -> Any:
+        return {"import_path": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _something(self) -> QualityGate:
+        if all(getattr(self, name) is None for name in type(self).model_fields):
+            raise ValueError(
+                "quality_gate sets no test; give max_error_rate, min_json_schema_pass_rate, min_mean_output_chars "
+                "or check"
+            )
+        return self
+
+
+# The canary is a sample checked before the run, not a run of its own: its rows pass through the driver.
+MAX_CANARY_ROWS = 10_000
+
+
 class LimitsSpec(_Strict):
     max_error_fraction: float = Field(
         0.1, ge=0.0, le=1.0, description="Fail the task (publishing nothing) when error rows / input rows exceeds this."
@@ -633,6 +685,31 @@ class LimitsSpec(_Strict):
         description="Object store (MiB) the job's rows in flight may fill on the cluster: Ray Data holds back its "
         "read and request steps beyond it. Default: Ray Data's own share of the cluster's object store.",
         json_schema_extra=arg(templated=True),
+    )
+    canary_rows: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_CANARY_ROWS,
+        description="Answer the first N rows first and check them against quality_gate (without one: against "
+        "max_error_fraction) before the rest of the input is read. A failing canary fails the task with no retry, "
+        "costing only its own rows; a passing one's rows are part of the output, not answered again.",
+    )
+    quality_gate: QualityGate | None = Field(
+        None,
+        description="The canary's tests: max_error_rate, min_json_schema_pass_rate, min_mean_output_chars and/or "
+        "check ('module:function' returning (passed, reason)). Needs canary_rows.",
+    )
+    max_tokens_budget: int | None = Field(
+        None,
+        ge=1,
+        description="Stop the run (publishing nothing, no retry) once its input + output tokens pass this; "
+        "checked as answers arrive.",
+    )
+    max_cost: float | None = Field(
+        None,
+        gt=0,
+        description="Stop the run (publishing nothing, no retry) once its estimated cost passes this; checked as "
+        "answers arrive. Needs a price (price_per_hour, or price_per_1k_input/output_tokens).",
     )
 
 
@@ -694,7 +771,44 @@ class JobSpec(_Strict):
         if p.output_column in reserved:
             raise ValueError(f"prompt.output_column {p.output_column!r} is reserved; pick another name")
         p.template_columns()  # raises a SpecError on a broken template
+        self._check_limits()
         return self
+
+    def _check_limits(self) -> None:
+        limits = self.limits
+        gate = limits.quality_gate
+        if gate is not None and limits.canary_rows is None:
+            raise ValueError("limits.quality_gate needs limits.canary_rows (the rows it judges)")
+        if gate is not None and gate.min_json_schema_pass_rate is not None and self.json_schema() is None:
+            raise ValueError(
+                "limits.quality_gate min_json_schema_pass_rate needs a JSON schema in prompt.sampling_params "
+                "(structured_outputs={'json': schema} or guided_json)"
+            )
+        if limits.max_cost is not None and not self.has_price():
+            raise ValueError(
+                f"limits.max_cost={limits.max_cost!r} needs a price: price_per_hour for a vLLM job, "
+                "price_per_1k_input_tokens / price_per_1k_output_tokens for an endpoint"
+            )
+
+    def has_price(self) -> bool:
+        if self.processor is not None:
+            return self.processor.price_per_hour is not None
+        if self.http is not None:
+            return self.http.price_per_1k_input_tokens is not None or self.http.price_per_1k_output_tokens is not None
+        return False
+
+    def json_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the rows' answers are asked to follow (structured output), if any."""
+        params = self.prompt.sampling_params or {}
+        structured = params.get("structured_outputs") or params.get("guided_decoding") or {}
+        schema = structured.get("json") if isinstance(structured, dict) else None
+        schema = schema if schema is not None else params.get("guided_json")
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError:
+                return None
+        return schema if isinstance(schema, dict) else None
 
     @property
     def task_type(self) -> str:

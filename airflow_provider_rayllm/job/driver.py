@@ -27,7 +27,8 @@ from airflow_provider_rayllm.contract.names import (
     REQUEST_KEY_COLUMN,
 )
 from airflow_provider_rayllm.contract.spec import JobSpec, PromptSpec
-from airflow_provider_rayllm.job import secrets
+from airflow_provider_rayllm.job import canary, secrets
+from airflow_provider_rayllm.job.budget import Budget
 from airflow_provider_rayllm.job.engines import open_engine
 from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.errors import JobError, JobRefused
@@ -80,7 +81,8 @@ def kept_columns(prompt: PromptSpec, columns: list[str]) -> list[str]:
 def plan(
     spec: JobSpec, engine: Engine, ds: Any, keep: list[str], package_dir: str, counts: Any, saved: list[str]
 ) -> Any:
-    """The lazy plan up to the sink: rows -> requests -> blocks of one engine batch -> answered rows."""
+    """The lazy plan up to the sink: rows -> requests -> blocks of one engine batch -> answered rows, counted
+    (and held to the budgets) as they leave the engine."""
     stage = dict(
         prompt=spec.prompt,
         task_type=spec.task_type,
@@ -109,7 +111,9 @@ def plan(
     # done (a streaming repartition: no block waits for the others).
     ds = ds.repartition(target_num_rows_per_block=engine.block_rows())
     answered = engine.apply(ds)
-    tap = AnswerCounter(counts, ERROR, engine.tokens_out())
+    limits = spec.limits
+    budget = Budget(limits.max_tokens_budget, limits.max_cost, engine.prices())
+    tap = AnswerCounter(counts, ERROR, engine.tokens_out(), engine.tokens_in(), budget if budget.active else None)
     return answered.map_batches(tap, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **LIGHT)
 
 
@@ -169,8 +173,10 @@ def job_error_in(exc: BaseException) -> JobError | None:
         if isinstance(current, JobError):
             return current
     # Raised in a stage's actor, it may come back only as text in Ray's wrapper.
-    found = re.search(r"(?:^|\.)JobError: (.+)", _chain_text(exc), re.MULTILINE)
-    return JobError(found.group(1).strip()) if found else None
+    found = re.search(r"(?:^|\.)(JobError|JobRefused|BudgetExceeded): (.+)", _chain_text(exc), re.MULTILINE)
+    if not found:
+        return None
+    return (JobError if found.group(1) == "JobError" else JobRefused)(found.group(2).strip())
 
 
 def input_error_in(exc: BaseException, spec: JobSpec) -> JobError | None:
@@ -208,7 +214,10 @@ def _configure_ray_data(spec: JobSpec) -> None:
 def preflight(spec: JobSpec, package_dir: str) -> tuple[Any, list[str], Engine]:
     """Every check that needs no engine, no endpoint and no rows, in a connected Ray driver: the input's
     first (file heads and footers, a one-row query), then the engine's settings (which loads vLLM for its
-    own judgement) and the cluster's room for them."""
+    own judgement) and the cluster's room for them. With a canary, the input comes without max_rows: the
+    canary applies it (see ``canary.run``)."""
+    if spec.limits.canary_rows:
+        spec = spec.model_copy(update={"limits": spec.limits.model_copy(update={"max_rows": None})})
     source = open_input(spec)
     keep = kept_columns(spec.prompt, source.columns)
     log_info("input: %s", source.description)
@@ -227,6 +236,13 @@ def with_image_folders(spec: JobSpec, folders: list[str]) -> JobSpec:
         return spec
     log_info("image_column paths are read only under the input's folder(s) %s (image_path_prefixes)", folders)
     return spec.model_copy(update={"prompt": prompt.model_copy(update={"image_path_prefixes": folders})})
+
+
+def _spent(engine: Engine, written: dict[str, Any]) -> float | None:
+    """The estimated cost so far of what ``written`` answered (None without a price)."""
+    if not engine.spec.has_price():
+        return None
+    return round(engine.prices().cost(written["input_tokens"], written["output_tokens"], time.time()), 6)
 
 
 def _sweep_leftover_secrets() -> None:
@@ -268,21 +284,35 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         log_info("output table: %s", repaired)
     log_info("writing generation %s (%d saved file(s) of earlier attempts to resume from)", publisher.uri, len(saved))
 
-    # 3. The stream, once.
+    # 3. The stream, once (with a canary: the canary's rows first, judged, then the others).
     rows_spec = with_image_folders(spec, source.folders)
     with ProgressLog(print_line, log_info, engine.actor_name()) as progress:
-        sink = ResultSink(
-            publisher.uri, spec.sink.format, rows_per_file(spec, engine), engine.shaper(), progress.counts
-        )
+
+        def stream(ds: Any, folder: str) -> list[dict[str, Any]]:
+            sink = ResultSink(folder, spec.sink.format, rows_per_file(spec, engine), engine.shaper(), progress.counts)
+            try:
+                plan(rows_spec, engine, ds, keep, package_dir, progress.counts, saved).write_datasink(
+                    sink, ray_remote_args=WRITE
+                )
+            except Exception as exc:
+                ours = job_error_in(exc) or input_error_in(exc, spec)
+                if ours is not None:
+                    raise (JobRefused if isinstance(ours, JobRefused) else JobError)(str(ours)) from None
+                raise
+            return sink.results
+
+        results: list[dict[str, Any]] = []
+        rest, tried = source.ds, None
         try:
-            plan(rows_spec, engine, source.ds, keep, package_dir, progress.counts, saved).write_datasink(
-                sink, ray_remote_args=WRITE
-            )
-        except Exception as exc:
-            ours = job_error_in(exc) or input_error_in(exc, spec)
-            if ours is not None:
-                raise JobError(str(ours)) from None
-            raise
+            if spec.limits.canary_rows:
+                tried = canary.run(
+                    spec, source.ds, publisher.uri, package_dir, stream, lambda w: _spent(engine, w), log_info
+                )
+                rest, results = tried.rest, list(tried.results)
+            if rest is not None:
+                results += stream(rest, publisher.uri)
+                if tried is not None and spec.limits.max_rows is None:
+                    canary.check_all_dropped(tried.keys, tried.read)
         finally:
             source.close()
         stream_done = time.time()
@@ -291,7 +321,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         timeline["stream_done_s"] = round(stream_done - started, 3)
         series = progress.series(started)
         reused = progress.reused_pairs() if saved else set()
-    written = totals(sink.results)
+    written = totals(results)
     for example in written["error_examples"]:
         log_info("error row: %s", example)
 
@@ -324,6 +354,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
             details=engine.details(files),
             versions={"ray": ray.__version__, **engine.versions()},
             table_rows=table_rows or 0,
+            canary=tried.body if tried is not None else None,
         ),
     )
     removed = publisher.remove_older()

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable
 
 from airflow_provider_rayllm.contract.progress import Progress
+from airflow_provider_rayllm.job.budget import Budget
 
 INTERVAL_S = 10.0
 # Points of the report's rows-over-time line at most, whatever the number of batches.
@@ -34,6 +35,7 @@ class StreamCounts:
         self.reads: dict[str, tuple[int, int]] = {}
         self.answers: dict[str, tuple[int, int, int]] = {}
         self.answer_times: dict[str, float] = {}
+        self.tokens_in: dict[str, int] = {}
         self.writes: dict[str, int] = {}
         self.saved_rows = 0
         # (id, request key) of the rows skipped as saved, by the batch that skipped them.
@@ -58,13 +60,18 @@ class StreamCounts:
         """Every (id, request key) pair skipped as saved: the saved rows the adoption keeps."""
         return [pair for pairs in self.reused.values() for pair in pairs]
 
-    def answered(self, key: str, rows: int, errored: int, tokens_out: int, at: float) -> None:
+    def answered(
+        self, key: str, rows: int, errored: int, tokens_out: int, at: float, tokens_in: int = 0
+    ) -> tuple[int, int]:
+        """Count one answered batch; returns the job's tokens (in, out) so far, for its budgets."""
         if self.first_answer_at is None or at < self.first_answer_at:
             self.first_answer_at = at
         if self.last_answer_at is None or at > self.last_answer_at:
             self.last_answer_at = at
         self.answers[key] = (rows, errored, tokens_out)
         self.answer_times[key] = at
+        self.tokens_in[key] = tokens_in
+        return sum(self.tokens_in.values()), sum(a[2] for a in self.answers.values())
 
     def wrote(self, key: str, files: int, at: float) -> None:
         if self.answered_at_first_write is None:
@@ -85,6 +92,7 @@ class StreamCounts:
             "rows_answered": sum(a[0] for a in self.answers.values()),
             "rows_errored": sum(a[1] for a in self.answers.values()),
             "tokens_out": sum(a[2] for a in self.answers.values()),
+            "tokens_in": sum(self.tokens_in.values()),
             "files_written": sum(self.writes.values()),
             "first_answer_at": self.first_answer_at,
             "last_answer_at": self.last_answer_at,
@@ -124,11 +132,20 @@ def call_key(calls: dict[str, int]) -> str:
 
 
 class AnswerCounter:
-    """A stage right after the engine: counts each answered batch (rows, error rows, tokens out) into
-    ``StreamCounts`` and passes the batch on unchanged."""
+    """A stage right after the engine: counts each answered batch (rows, error rows, tokens in and out) into
+    ``StreamCounts``, stops the run when the job's totals pass a budget (``budget.Budget``), and passes the
+    batch on unchanged."""
 
-    def __init__(self, counts: Any, error_column: str, tokens_out: Callable[[Any], int]):
+    def __init__(
+        self,
+        counts: Any,
+        error_column: str,
+        tokens_out: Callable[[Any], int],
+        tokens_in: Callable[[Any], int] | None = None,
+        budget: Budget | None = None,
+    ):
         self.counts, self.error_column, self.tokens_out = counts, error_column, tokens_out
+        self.tokens_in, self.budget = tokens_in, budget
         self.calls: dict[str, int] = {}
 
     def __call__(self, batch: Any) -> Any:
@@ -140,7 +157,13 @@ class AnswerCounter:
             column = pc.fill_null(batch.column(self.error_column).cast("string"), "")
             errored = int(pc.sum(pc.not_equal(column, "")).as_py() or 0)
         tokens = self.tokens_out(batch)
-        ray.get(self.counts.answered.remote(call_key(self.calls), batch.num_rows, errored, tokens, time.time()))
+        tokens_in = self.tokens_in(batch) if self.tokens_in is not None else 0
+        now = time.time()
+        spent_in, spent_out = ray.get(
+            self.counts.answered.remote(call_key(self.calls), batch.num_rows, errored, tokens, now, tokens_in)
+        )
+        if self.budget is not None:
+            self.budget.check(spent_in, spent_out, now)
         return batch
 
 

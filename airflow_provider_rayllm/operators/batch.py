@@ -53,6 +53,23 @@ def _pickle_by_value(fn: Callable) -> bytes:
             cloudpickle.unregister_pickle_by_value(module)
 
 
+def connection_price(conn_id: str, name: str) -> float | None:
+    """A price kept in a connection's extra (``price_per_hour`` on the ray connection, the per-token prices
+    on an endpoint's); None when the connection has none or cannot be read here."""
+    from airflow.sdk import BaseHook
+
+    try:
+        value = (BaseHook.get_connection(conn_id).extra_dejson or {}).get(name)
+    except Exception:  # a missing connection fails where it is needed, with its own error
+        return None
+    if value is None or value == "":
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise SpecError(f"connection {conn_id!r}: extra {name}={value!r} is not a number") from None
+
+
 def callable_ref(fn: Callable | str | None, name: str, package_dir: Path) -> dict[str, Any] | None:
     """A callable travels as 'module:function' or cloudpickled into the job package."""
     if fn is None:
@@ -145,8 +162,21 @@ class BatchOperator(RayJobOperator):
             "prompt": self.prompt_body(package_dir),
             **engine,
             "sink": self.sink_body(output_uri, self._run_spec(context)),
-            "limits": self.section("limits"),
+            "limits": self.limits_body(package_dir),
         }
+
+    def limits_body(self, package_dir: Path) -> dict[str, Any]:
+        """The limits; a quality gate given as a model becomes its fields, and its check, when a Python
+        callable, travels pickled in the job package as preprocess does."""
+        limits = self.section("limits")
+        gate = limits.get("quality_gate")
+        if gate is None:
+            return limits
+        gate = gate.model_dump(exclude_none=True) if hasattr(gate, "model_dump") else dict(gate)
+        if callable(gate.get("check")):
+            gate["check"] = callable_ref(gate["check"], "quality_check", package_dir)
+        limits["quality_gate"] = gate
+        return limits
 
     def job_secrets(self) -> dict[str, str]:
         env = super().job_secrets()

@@ -10,10 +10,10 @@ from airflow.sdk import BaseHook
 from typing_extensions import Unpack
 
 from airflow_provider_rayllm.contract.names import HTTP_API_KEY_ENV, HTTP_USERINFO_ENV
-from airflow_provider_rayllm.contract.spec import FileFormat, HttpEndpoint, SinkFormat
+from airflow_provider_rayllm.contract.spec import FileFormat, HttpEndpoint, QualityGate, SinkFormat
 from airflow_provider_rayllm.exceptions import InvalidSpec
 from airflow_provider_rayllm.operators import arguments
-from airflow_provider_rayllm.operators.batch import BatchOperator
+from airflow_provider_rayllm.operators.batch import BatchOperator, connection_price
 from airflow_provider_rayllm.operators.guide_config import HTTP_FIELDS
 from airflow_provider_rayllm.operators.task_args import RayJobArgs
 
@@ -114,6 +114,10 @@ class HttpLLMBatchOperator(BatchOperator):
         max_error_fraction: float = 0.1,
         max_rows: int | str | None = None,
         object_store_window_mb: int | str | None = None,
+        canary_rows: int | None = None,
+        quality_gate: QualityGate | dict[str, Any] | None = None,
+        max_tokens_budget: int | None = None,
+        max_cost: float | None = None,
         **kwargs: Unpack[RayJobArgs],
     ) -> None:
         super().__init__(**kwargs)
@@ -134,9 +138,12 @@ class HttpLLMBatchOperator(BatchOperator):
 
     def spec_body(self, context: Context, output_uri: str, package_dir: Path) -> dict[str, Any]:
         base_url, _ = endpoint_from_connection(self.http_conn_id)
-        body = self.batch_body(
-            "http", {"http": {**self.section("http"), "base_url": base_url}}, output_uri, package_dir, context
-        )
+        http = {**self.section("http"), "base_url": base_url}
+        for name in ("price_per_1k_input_tokens", "price_per_1k_output_tokens"):
+            # An endpoint's prices are the endpoint's: its connection may carry them for every task.
+            if http[name] is None:
+                http[name] = connection_price(self.http_conn_id, name)
+        body = self.batch_body("http", {"http": http}, output_uri, package_dir, context)
         # Embeddings take plain text; chat and completions take the built messages.
         if self.endpoint == "embeddings":
             body["prompt"]["sampling_params"] = {}

@@ -9,9 +9,16 @@ from typing_extensions import Unpack
 
 from airflow_provider_rayllm.contract.names import ENGINE_SECRET_ENV
 from airflow_provider_rayllm.contract.secrets import secret_env_vars, split_secrets
-from airflow_provider_rayllm.contract.spec import FileFormat, SinkFormat, SpecError, TaskType, map_guide_flags
+from airflow_provider_rayllm.contract.spec import (
+    FileFormat,
+    QualityGate,
+    SinkFormat,
+    SpecError,
+    TaskType,
+    map_guide_flags,
+)
 from airflow_provider_rayllm.operators import arguments
-from airflow_provider_rayllm.operators.batch import BatchOperator
+from airflow_provider_rayllm.operators.batch import BatchOperator, connection_price
 from airflow_provider_rayllm.operators.guide_config import VLLM_FIELDS
 from airflow_provider_rayllm.operators.task_args import RayJobArgs
 
@@ -113,6 +120,10 @@ class VLLMBatchOperator(BatchOperator):
         max_error_fraction: float = 0.1,
         max_rows: int | str | None = None,
         object_store_window_mb: int | str | None = None,
+        canary_rows: int | None = None,
+        quality_gate: QualityGate | dict[str, Any] | None = None,
+        max_tokens_budget: int | None = None,
+        max_cost: float | None = None,
         **kwargs: Unpack[RayJobArgs],
     ) -> None:
         super().__init__(**kwargs)
@@ -181,4 +192,8 @@ class VLLMBatchOperator(BatchOperator):
     def spec_body(self, context: Context, output_uri: str, package_dir: Path) -> dict[str, Any]:
         if self.serve_deployment:
             return self.batch_body("serve", {"serve": self.serve_body()}, output_uri, package_dir, context)
-        return self.batch_body("vllm", {"processor": self.processor_body()}, output_uri, package_dir, context)
+        processor = self.processor_body()
+        if processor["price_per_hour"] is None:
+            # A cluster's price is the cluster's: the ray connection may carry it for every task.
+            processor["price_per_hour"] = connection_price(self.ray_conn_id, "price_per_hour")
+        return self.batch_body("vllm", {"processor": processor}, output_uri, package_dir, context)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from airflow_provider_rayllm.contract.spec import JobSpec
+from airflow_provider_rayllm.job.budget import Prices
 from airflow_provider_rayllm.job.shaping import Shaper
 
 
@@ -38,6 +39,14 @@ class Engine:
     def tokens_out(self) -> Callable[[Any], int]:
         """Output tokens of a batch of answered rows (a pyarrow table), for the progress line."""
         raise NotImplementedError
+
+    def tokens_in(self) -> Callable[[Any], int] | None:
+        """Input tokens of a batch of answered rows, for the budgets; None where the answers do not say."""
+        return None
+
+    def prices(self) -> Prices:
+        """How the run's estimated cost grows as it runs (for ``max_cost``); nothing without a price."""
+        return Prices()
 
     def actor_name(self) -> str:
         """Part of the class name of the engine's Ray actors (their start is the engine's start)."""

@@ -12,6 +12,7 @@ import numpy as np
 from airflow_provider_rayllm.contract.names import HTTP_API_KEY_ENV, HTTP_USERINFO_ENV
 from airflow_provider_rayllm.contract.secrets import redact
 from airflow_provider_rayllm.contract.spec import HttpProcessorSpec, JobSpec
+from airflow_provider_rayllm.job.budget import Prices
 from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.engines.http_client import EndpointClient
 from airflow_provider_rayllm.job.engines.loop_thread import LoopDeadline, LoopThread
@@ -105,15 +106,15 @@ class HttpCaller:
     def __del__(self) -> None:
         self.close()
 
-    async def _row(self, request_json: str, error: str) -> tuple[str, int, int, str, int]:
-        """(response body as JSON text, status, attempts, error, completion tokens)"""
+    async def _row(self, request_json: str, error: str) -> tuple[str, int, int, str, int, int]:
+        """(response body as JSON text, status, attempts, error, completion tokens, prompt tokens)"""
         if error:
-            return "", 0, 0, error, 0
+            return "", 0, 0, error, 0, 0
         payload = payload_for(json.loads(request_json), self.http)
         result = await self.client.call(payload)
         if not result.ok:
             message = f"HTTP {result.status}: {result.error}" if result.status else result.error
-            return "", result.status or 0, result.attempts, message, 0
+            return "", result.status or 0, result.attempts, message, 0, 0
         body = result.body or {}
         return (
             json.dumps(body),
@@ -121,9 +122,10 @@ class HttpCaller:
             result.attempts,
             "",
             count((body.get("usage") or {}).get("completion_tokens")),
+            count((body.get("usage") or {}).get("prompt_tokens")),
         )
 
-    async def _batch(self, requests: Any, errors: Any) -> list[tuple[str, int, int, str, int]]:
+    async def _batch(self, requests: Any, errors: Any) -> list[tuple[str, int, int, str, int, int]]:
         return await asyncio.gather(*(self._row(str(r), str(e)) for r, e in zip(requests, errors)))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -142,6 +144,7 @@ class HttpCaller:
             "attempts": [a[2] for a in answers],
             ERROR: [a[3] for a in answers],
             TOKENS_OUT: [a[4] for a in answers],
+            TOKENS_IN: [a[5] for a in answers],
         }
 
 
@@ -172,6 +175,7 @@ def batch_deadline_s(http: HttpProcessorSpec) -> float:
 
 RESPONSE = "__rayllm_http_response"
 TOKENS_OUT = "__rayllm_tokens_out"
+TOKENS_IN = "__rayllm_tokens_in"
 
 
 class HttpShaper(Shaper):
@@ -237,6 +241,12 @@ class HttpEngine(Engine):
 
     def tokens_out(self) -> Callable[[Any], int]:
         return column_sum(TOKENS_OUT)
+
+    def tokens_in(self) -> Callable[[Any], int]:
+        return column_sum(TOKENS_IN)
+
+    def prices(self) -> Prices:
+        return Prices(self.http.price_per_1k_input_tokens or 0.0, self.http.price_per_1k_output_tokens or 0.0)
 
     def details(self, totals: dict[str, Any]) -> dict[str, Any]:
         return {

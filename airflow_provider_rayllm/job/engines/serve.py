@@ -87,12 +87,15 @@ class ServeShaper(Shaper):
 
 
 class UsageTokens:
-    """Completion tokens of a batch of the deployment's answers (their ``usage`` field)."""
+    """Completion (or prompt) tokens of a batch of the deployment's answers (their ``usage`` field)."""
+
+    def __init__(self, key: str = "completion_tokens"):
+        self.key = key
 
     def __call__(self, batch: Any) -> int:
         if "usage" not in batch.column_names:
             return 0
-        return sum(count((u or {}).get("completion_tokens")) for u in batch.column("usage").to_pylist())
+        return sum(count((u or {}).get(self.key)) for u in batch.column("usage").to_pylist())
 
 
 class ServeRequest:
@@ -174,6 +177,9 @@ class ServeEngine(Engine):
 
     def tokens_out(self) -> Callable[[Any], int]:
         return UsageTokens()
+
+    def tokens_in(self) -> Callable[[Any], int]:
+        return UsageTokens("prompt_tokens")
 
     def details(self, totals: dict[str, Any]) -> dict[str, Any]:
         return {"serve_app": self.serve.app_name, "serve_deployment": self.serve.deployment_name}

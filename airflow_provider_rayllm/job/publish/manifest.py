@@ -35,6 +35,7 @@ def build(
     versions: dict[str, str],
     table_rows: int = 0,
     rows_over_time: list[dict[str, float]] | None = None,
+    canary: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     table = spec.sink.table
     body = {
@@ -72,6 +73,7 @@ def build(
         "output_table": (
             {"table": table.table, "run_key": table.run_key, "rows": table_rows} if table is not None else None
         ),
+        "canary": canary,
     }
     return Manifest.model_validate(body).model_dump(mode="json")
 

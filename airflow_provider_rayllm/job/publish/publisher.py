@@ -195,6 +195,7 @@ class Publisher:
         versions: dict[str, str],
         table_rows: int = 0,
         rows_over_time: list[dict[str, float]] | None = None,
+        canary: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The manifest's body for this generation."""
         return manifest.build(
@@ -214,6 +215,7 @@ class Publisher:
             versions=versions,
             table_rows=table_rows,
             rows_over_time=rows_over_time or [],
+            canary=canary,
         )
 
     def publish(self, written: dict[str, Any], build: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from airflow_provider_rayllm.contract.secrets import redact
 from airflow_provider_rayllm.contract.spec import JobSpec
+from airflow_provider_rayllm.job.budget import Prices
 from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.engines.vllm.checks import (
     check_engine_kwargs,
@@ -114,7 +115,9 @@ class VLLMEngine(Engine):
     def apply(self, ds: Any) -> Any:
         import time
 
-        self.requested_at = time.time()  # the engines are asked for when this lazy plan starts, moments later
+        # The engines are asked for when this lazy plan starts, moments later; a canary's plan comes first and
+        # its engines count too.
+        self.requested_at = getattr(self, "requested_at", None) or time.time()
         return build(self.p, self.profile, self.engine_kwargs, self.placement, self.feed)(ds)
 
     def shaper(self) -> Shaper:
@@ -122,6 +125,24 @@ class VLLMEngine(Engine):
 
     def tokens_out(self) -> Callable[[Any], int]:
         return column_sum("num_generated_tokens")
+
+    def tokens_in(self) -> Callable[[Any], int]:
+        return column_sum("num_input_tokens")
+
+    def billed_units(self) -> float:
+        """GPUs (CPUs on a CPU cluster) one replica is billed for."""
+        if self.profile == "gpu":
+            return float(world_size(self.engine_kwargs))
+        return engine_cpus(self.p, self.placement, self.engine_kwargs)
+
+    def prices(self) -> Prices:
+        """Engine time of every replica the plan asks for, from when it asked (an estimate while it runs; the
+        manifest's cost counts the actors' actual lifetimes)."""
+        if self.p.price_per_hour is None:
+            return Prices()
+        replicas = self.p.concurrency if isinstance(self.p.concurrency, int) else max(self.p.concurrency)
+        per_second = self.p.price_per_hour / 3600 * self.billed_units() * replicas
+        return Prices(per_second=per_second, since=getattr(self, "requested_at", None))
 
     def details(self, totals: dict[str, Any]) -> dict[str, Any]:
         feed = {
@@ -141,11 +162,7 @@ class VLLMEngine(Engine):
         their end, read from Ray's actor table) x the GPUs (CPUs on a CPU cluster) each reserves x
         price_per_hour."""
         seconds = engine_actor_seconds(self.actor_name(), self.requested_at)
-        units = (
-            float(world_size(self.engine_kwargs))
-            if self.profile == "gpu"
-            else engine_cpus(self.p, self.placement, self.engine_kwargs)
-        )
+        units = self.billed_units()
         out: dict[str, Any] = {
             "engine_actor_seconds": seconds,
             "billed_units_per_replica": units,
