@@ -168,4 +168,3 @@ def test_ui_serves_its_health_and_the_run_through_the_rest_api(api_server, finis
         f"{api_server}/api/v2/dags/{run['dag_id']}/dagRuns/{quote(run['run_id'], safe='')}/taskInstances/{run['task_id']}"
     )
     assert task["state"] == "success"
-
