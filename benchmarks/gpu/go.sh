@@ -53,9 +53,9 @@ if [ -f "$GPU_DIR/scripts/STAMP" ]; then
     echo "== a new build (.gpu/scripts/STAMP changed): dropping the old pieces and unpacked folders"
     rm -rf "$W/chunks"/* "$W"/state/extracted_* /tmp/site "$W/minilm" "$W/smollm2" "$W/lora" "$W/model"
   fi
-  cp -f "$GPU_DIR"/scripts/{STAMP,NPARTS,SITE_PARTS,MINILM_PARTS,SMOL_PARTS,SHA256SUMS,WHOLE_SHA256SUMS} "$W/" 2>/dev/null
+  cp -f "$GPU_DIR"/scripts/{STAMP,NPARTS,SITE_PARTS,MINILM_PARTS,SMOL_PARTS,BUNDLE_PARTS,SHA256SUMS,WHOLE_SHA256SUMS} "$W/" 2>/dev/null
 fi
-[ -f "$W/SITE_PARTS" ] || { echo "== no .gpu/scripts carried yet (carry .gpu/scripts with every call)"; exit 1; }
+[ -f "$W/SITE_PARTS" ] || [ -f "$W/BUNDLE_PARTS" ] || { echo "== no .gpu/scripts carried yet (carry .gpu/scripts with every call)"; exit 1; }
 for d in "$GPU_DIR"/c[0-9][0-9]; do
   [ -d "$d" ] || continue
   for f in "$d"/*.part*; do
@@ -67,7 +67,45 @@ for d in "$GPU_DIR"/c[0-9][0-9]; do
   done
   if [ -d "$d/model" ]; then rm -rf "$W/model" && cp -r "$d/model" "$W/model" && echo "== model folder from $d"; fi
 done
-NSITE=$(cat "$W/SITE_PARTS"); NMINI=$(cat "$W/MINILM_PARTS"); NSMOL=$(cat "$W/SMOL_PARTS" 2>/dev/null || echo 0)
+# bundle.sh's carry: one plain tar of the wheels and model folders; the wheels are unzipped here.
+if [ -f "$GPU_DIR/scripts/BUNDLE_PARTS" ] || [ -f "$W/BUNDLE_PARTS" ]; then
+  cp -f "$GPU_DIR/scripts/BUNDLE_PARTS" "$W/" 2>/dev/null
+  NB=$(cat "$W/BUNDLE_PARTS"); HB=$(ls "$W"/chunks/bundle.tar.part* 2>/dev/null | wc -l)
+  echo "== bundle pieces here: $HB/$NB; $(df -h /tmp | tail -1 | awk '{print $4}') free in /tmp"
+  if [ ! -e "$W/state/extracted_site" ] && [ "$HB" -ge "$NB" ]; then
+    t=$(date +%s)
+    want=$(awk '$2 == "bundle.tar" {print $1}' "$W/WHOLE_SHA256SUMS")
+    got=$(cat "$W"/chunks/bundle.tar.part* | sha256sum | cut -c1-64)
+    if [ "$got" != "$want" ]; then echo "== bundle.tar does not reassemble ($got != $want)"; exit 1; fi
+    rm -rf "$W/bundle" /tmp/site && mkdir -p "$W/bundle" /tmp/site
+    cat "$W"/chunks/bundle.tar.part* | tar xf - -C "$W/bundle" && rm -f "$W"/chunks/bundle.tar.part*
+    # Unzip every wheel into one site folder, keeping each file's mode (Ray's gcs_server and raylet must stay
+    # executable; the image may have no `unzip`).
+    python3 - "$W/bundle/wheels" /tmp/site <<'PYEOF'
+import os, sys, zipfile
+from concurrent.futures import ProcessPoolExecutor
+def unpack(path, dest=sys.argv[2]):
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            out = z.extract(info, dest)
+            mode = (info.external_attr >> 16) & 0o777
+            if mode and not info.is_dir():
+                os.chmod(out, mode)
+    return os.path.basename(path)
+wheels = sorted(os.path.join(sys.argv[1], w) for w in os.listdir(sys.argv[1]) if w.endswith(".whl"))
+with ProcessPoolExecutor(16) as pool:
+    done = list(pool.map(unpack, wheels))
+print(f"== {len(done)} wheels unpacked")
+PYEOF
+    rm -rf /tmp/site/*.data
+    for m in minilm smollm2 lora; do rm -rf "${W:?}/$m"; mv "$W/bundle/$m" "$W/$m"; done
+    rm -rf "$W/bundle"
+    touch "$W/state/extracted_site" "$W/state/extracted_minilm" "$W/state/extracted_smol"
+    echo "== bundle unpacked in $(( $(date +%s) - t )) s: $(du -sh /tmp/site | cut -f1) site, $(du -sh "$W/smollm2" | cut -f1) SmolLM2"
+  fi
+fi
+NSITE=$(cat "$W/SITE_PARTS" 2>/dev/null || echo 0); NMINI=$(cat "$W/MINILM_PARTS" 2>/dev/null || echo 0)
+NSMOL=$(cat "$W/SMOL_PARTS" 2>/dev/null || echo 0)
 HAVE_SITE=$(ls "$W"/chunks/site.tgz.part* 2>/dev/null | wc -l); HAVE_MINI=$(ls "$W"/chunks/minilm.tgz.part* 2>/dev/null | wc -l)
 HAVE_SMOL=$(ls "$W"/chunks/smol.tgz.part* 2>/dev/null | wc -l)
 echo "== pieces here: site $HAVE_SITE/$NSITE, minilm $HAVE_MINI/$NMINI, smol $HAVE_SMOL/$NSMOL; model folder: $([ -d "$W/model" ] && echo yes || echo no); $(df -h /tmp | tail -1 | awk '{print $4}') free in /tmp"
@@ -82,10 +120,10 @@ assemble() {  # name target_dir
   touch "$W/state/extracted_$name"
   echo "== $name unpacked in $(( $(date +%s) - t )) s"
 }
-if [ ! -e "$W/state/extracted_site" ] && [ "$HAVE_SITE" -ge "$NSITE" ]; then
+if [ ! -e "$W/state/extracted_site" ] && [ "$NSITE" -gt 0 ] && [ "$HAVE_SITE" -ge "$NSITE" ]; then
   rm -rf /tmp/site; assemble site /tmp && du -sh /tmp/site
 fi
-if [ ! -e "$W/state/extracted_minilm" ] && [ "$HAVE_MINI" -ge "$NMINI" ]; then
+if [ ! -e "$W/state/extracted_minilm" ] && [ "$NMINI" -gt 0 ] && [ "$HAVE_MINI" -ge "$NMINI" ]; then
   rm -rf "$W/minilm"; assemble minilm "$W" && du -sh "$W/minilm"
 fi
 if [ ! -e "$W/state/extracted_smol" ] && [ "$NSMOL" -gt 0 ] && [ "$HAVE_SMOL" -ge "$NSMOL" ]; then
