@@ -25,7 +25,8 @@ import common  # noqa: E402
 
 def first_done_bar():
     """A progress bar class for vLLM's `use_tqdm` that notes when the first request finished (vLLM calls
-    update() as each request ends), writing nothing."""
+    update() of its "Processed prompts" bar as each request ends), writing nothing. vLLM also makes an
+    "Adding requests" bar with the same class, updated as requests are queued: that one is not counted."""
     from tqdm import tqdm
 
     class FirstDone(tqdm):
@@ -33,10 +34,11 @@ def first_done_bar():
 
         def __init__(self, *a, **kw):
             kw["file"] = open(os.devnull, "w")  # noqa: SIM115 (closed with the process)
+            self.counts = str(kw.get("desc") or "").startswith("Processed")
             super().__init__(*a, **kw)
 
         def update(self, n=1):
-            if n and FirstDone.first_at is None:
+            if n and self.counts and FirstDone.first_at is None:
                 FirstDone.first_at = time.time()
             return super().update(n)
 
@@ -138,6 +140,7 @@ def main() -> int:
             "engine_ready": t1 + res["engine_init_s"],
             "call_start": t2,
             "first_answer": bar.first_at,
+            "first_answer_from": "Processed prompts bar",
             "call_end": t3,
         }
         n_in = sum(len(o.prompt_token_ids or []) for o in outs)

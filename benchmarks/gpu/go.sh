@@ -182,15 +182,15 @@ run_phase() {  # phase timeout_s
     head) timeout -k 20 "$T" python3 "$HERE/ray_head.py" start ;;
     stop_head) timeout -k 20 "$T" python3 "$HERE/ray_head.py" stop ;;
     ourjob_gen) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_gen --task generate --n "$N" \
-        --model "$W/model" --deadline $(( $(date +%s) + T - 60 )) ;;
+        --model "$W/model" --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
     ourjob_gen_matched) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_gen_matched --task generate --n "$N" \
         --model "$W/model" --engine-kwargs "{\"max_num_seqs\": $MAX_NUM_SEQS, \"max_num_batched_tokens\": $MAX_NUM_BATCHED_TOKENS}" \
-        --batch-size 128 --max-concurrent-batches 16 --deadline $(( $(date +%s) + T - 60 )) ;;
+        --batch-size 128 --max-concurrent-batches 16 --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
     ourjob_embed) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_embed --task embed --n "$EMBED_N" \
-        --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" --deadline $(( $(date +%s) + T - 60 )) ;;
+        --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
     ourjob_embed_nochunk) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_embed_nochunk --task embed \
         --n "$EMBED_N" --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" \
-        --engine-kwargs '{"enable_chunked_prefill": false, "enable_prefix_caching": false}' --deadline $(( $(date +%s) + T - 60 )) ;;
+        --engine-kwargs '{"enable_chunked_prefill": false, "enable_prefix_caching": false}' --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
     gputests)  # the project's gpu-marked tests that need no Airflow (tests/gpu), on the same Ray head
       if ! python3 -c "import pytest" 2>/dev/null; then  # the image has none: the wheels carried in scripts/
         mkdir -p "$W/pytest"

@@ -145,7 +145,7 @@ def engine_ready_at(dashboard: str, actor: str, lo: float, hi: float) -> float |
     creation task, in Ray's own task record (milliseconds), for the first such actor between lo and hi."""
     from ray.util.state import list_tasks
 
-    tasks = list_tasks(address=dashboard, detail=True, limit=100000, raise_on_missing_output=False)
+    tasks = list_tasks(address=dashboard, detail=True, limit=10000, raise_on_missing_output=False)  # the API's most
     ends = [
         t.end_time_ms / 1000
         for t in tasks

@@ -269,7 +269,7 @@ def summarize(src: Path, price: float) -> dict[str, Any]:
         if oe.get("rows_per_s") and e.get("rows_per_s_engine_phase"):
             e["efficiency_engine_phase_vs_offline"] = e["rows_per_s_engine_phase"] / oe["rows_per_s"]
 
-    out.update(honest_windows(phases))
+    out.update(honest_windows(phases, src))
     out["guide_answers"] = (phases.get("gputests") or {}).get("guide_answers")
     out["gpu_tests"] = gpu_tests(src / "gputests.xml")
 
@@ -304,8 +304,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def offline_windows(p: dict) -> dict:
     """vLLM's offline script: the whole process (go.sh's clock before the interpreter starts and after it
     exits) and the engine-busy window (the timed call), from exact clock times."""
-    t = p.get("times") or {}
+    t = dict(p.get("times") or {})
     proc = p.get("process_window") or [None, None]
+    if not t.get("first_answer_from"):
+        # Before the bar was told apart: vLLM's "Rendering conversations" bar, not a finished request.
+        t["first_answer"] = None
     return {
         "whole_s": _span(proc[0], proc[1]),
         "busy_s": _span(t.get("call_start"), t.get("call_end")),
@@ -321,14 +324,18 @@ def offline_windows(p: dict) -> dict:
     }
 
 
-def ours_windows(p: dict) -> dict:
+def ours_windows(p: dict, log_ready: float | None = None) -> dict:
     """Our job: submitted -> terminal state (Ray's job record) and engine ready (the engine actor's constructor
     end in Ray's task record) -> the last answer the job counted."""
-    w = p.get("windows") or {}
+    w = dict(p.get("windows") or {})
+    if not str(w.get("engine_ready_from") or "").startswith("ray task record") and log_ready is not None:
+        # The exact source was not read: vLLM's "init engine ... took" line, to the second (device clock, UTC).
+        w["engine_ready"], w["engine_ready_from"] = log_ready, "vLLM 'init engine' log line (1 s resolution)"
     return {
         "whole_s": _span(w.get("submitted"), w.get("ended")),
         "busy_s": _span(w.get("engine_ready"), w.get("last_answer")),
         "busy_from": w.get("engine_ready_from"),
+        "engine_ready_error": w.get("engine_ready_error"),
         "first_answer_s": _span(w.get("submitted"), w.get("first_answer")),
         "startup": {
             "submitted_to_driver_s": _span(w.get("submitted"), w.get("driver_started")),
@@ -339,7 +346,23 @@ def ours_windows(p: dict) -> dict:
     }
 
 
-def honest_windows(phases: dict) -> dict:
+def init_engine_at(log: Path) -> float | None:
+    """The epoch second of vLLM's first "init engine ... took" line in a job log (the device's clock is UTC)."""
+    from datetime import datetime, timezone
+
+    if not log.exists():
+        return None
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.search(r"INFO (\d\d-\d\d \d\d:\d\d:\d\d) \[core\.py:\d+\] init engine", line)
+        if m:
+            year = datetime.now(timezone.utc).year
+            return (
+                datetime.strptime(f"{year}-{m.group(1)}", "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+            )
+    return None
+
+
+def honest_windows(phases: dict, src: Path | None = None) -> dict:
     """Both sides over the same windows: the whole run as a user pays for it (our job submitted -> SUCCEEDED
     against the offline script's whole process) and the engine's busy time; ratios are ours / offline, in
     seconds for the same rows (above 1: ours takes longer)."""
@@ -352,7 +375,8 @@ def honest_windows(phases: dict) -> dict:
         if not (off.get("ok") and ours.get("ok")):
             out[f"e2e_ratio_{task}"] = None
             continue
-        o, u = offline_windows(off), ours_windows(ours)
+        log_ready = init_engine_at(src / "logs" / f"{ours_name}.log") if src else None
+        o, u = offline_windows(off), ours_windows(ours, log_ready)
         out[f"e2e_ratio_{task}"] = _ratio(u["whole_s"], o["whole_s"])
         out[f"busy_ratio_{task}"] = _ratio(u["busy_s"], o["busy_s"])
         out[f"windows_{task}"] = {"offline": o, "ours": u}

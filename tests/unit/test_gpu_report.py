@@ -33,6 +33,7 @@ def _offline(start: float, ready: float, call: float, first: float, end: float, 
             "engine_ready": T + ready,
             "call_start": T + call,
             "first_answer": T + first,
+            "first_answer_from": "Processed prompts bar",
             "call_end": T + end,
         },
     }
