@@ -128,8 +128,10 @@ def smollm2() -> Path:
 def ray_cluster(test_home):
     """One real local Ray head (token auth, free ports) for the whole session."""
     from airflow_provider_rayllm.local.cluster import LocalRayCluster
+    from tests.gpu.jobs import gpu_count
 
-    cluster = LocalRayCluster(state_dir=test_home / "ray", num_cpus=2)
+    # On a GPU machine the cluster offers its GPUs (the gpu-marked tests' engines need them); elsewhere none.
+    cluster = LocalRayCluster(state_dir=test_home / "ray", num_cpus=2, num_gpus=gpu_count())
     info = cluster.start()
     yield info
     cluster.stop()

