@@ -291,8 +291,10 @@ def test_a_crash_between_the_table_and_the_manifest_leaves_them_agreeing_and_the
     run_key = f"reliability/{run_id}/table_crash/-1"
 
     def op(word: str, **kw):
-        input_uri = _rows(test_home, f"tablecrash-{dialect}-{crash_at}", n)
-        write_jsonl(input_uri, [{"id": i, "prompt": f"{word} row {i}"} for i in range(n)])
+        input_uri = write_jsonl(
+            test_home / "inputs" / f"tablecrash-{dialect}-{crash_at}.jsonl",
+            [{"id": i, "prompt": f"{word} row {i}"} for i in range(n)],
+        )
         return _http_op(
             "table_crash", input_uri, str(output_uri), output_table=table, output_table_conn_id="table_crash", **kw
         )
