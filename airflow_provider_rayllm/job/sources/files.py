@@ -1,4 +1,5 @@
-"""Files and bucket objects as the job's input: Parquet, JSONL or CSV, through Ray Data's readers."""
+"""Files, bucket objects and Hugging Face datasets as the job's input: Parquet, JSONL or CSV, through Ray
+Data's readers."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import Any, Iterator
 
 import pyarrow.fs as pafs
 
-from airflow_provider_rayllm.contract.spec import FileSource, format_from_uri, uri_scheme
+from airflow_provider_rayllm.contract.spec import FileSource, format_from_uri, hf_dataset, uri_scheme
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.filesystems import filesystem_for
+from airflow_provider_rayllm.job.sources import hub
 
 # Enough of a JSON or CSV file to learn its columns (pyarrow infers from its first block too).
 PROBE_BYTES = 1 << 20
@@ -30,7 +32,11 @@ def _hidden(relative: str) -> bool:
 def expand(source: FileSource) -> list[str]:
     """Every input file, in a stable order; a clear error when a path matches nothing."""
     files: list[str] = []
+    checked: set[str] = set()
     for uri in source.uris:
+        if uri_scheme(uri) == "hf" and hf_dataset(uri)[:2] not in checked:
+            hub.check_dataset(uri)
+            checked.add(hf_dataset(uri)[:2])
         fs, path = filesystem_for(uri)
         scheme = uri_scheme(uri)
         prefix = "" if scheme == "file" else f"{scheme}://"
