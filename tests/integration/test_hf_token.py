@@ -161,3 +161,36 @@ def test_a_gated_hf_dataset_is_read_with_the_connections_token_and_refused_witho
     message = str(refused.value)
     for words in (repr(uri), repr(DATASET_ID), "gated", "no Hugging Face token", "hf_conn_id"):
         assert words in message, message
+
+
+@pytest.mark.parametrize(
+    "path, token, says",
+    [
+        ("rayllm-test/Nope/data", "right", "does not exist, or the job's token (hf_conn_id) cannot see it"),
+        ("rayllm-test/Nope/data", None, "does not exist; if it is private, the job has no Hugging Face token"),
+        (f"{DATASET_ID}@v9/{{split}}", "right", "has no revision 'v9'"),
+        (f"{DATASET_ID}/{{split}}", "hf_wrong", "is gated and the job's token (hf_conn_id) has no access to it"),
+        (f"{DATASET_ID}/{{split}}", None, "is gated and the job has no Hugging Face token: give hf_conn_id"),
+    ],
+)
+def test_the_job_tells_each_hub_refusal_apart(path, token, says, service_logs, test_home):
+    """What the driver's input check says for each way a dataset cannot be read (HfFileSystem alone reads all of
+    them as "no such file"), asked of the loopback Hub directly: no job is needed to see the message."""
+    from airflow_provider_rayllm.job.errors import JobError
+    from airflow_provider_rayllm.job.sources.hub import check_dataset
+    from tests.integration.helpers import LMMS_SPLIT, lmms_eval_lite_repo, png
+    from tests.integration.services import hf_hub_server
+
+    right = f"hf_{secrets.token_hex(16)}"
+    repo = lmms_eval_lite_repo(test_home / "hub" / "lmms-refusals", [png((10, 20, 30))])
+    uri = f"hf://datasets/{path.format(split=LMMS_SPLIT)}"
+    with hf_hub_server(service_logs, None, None, right, datasets={DATASET_ID: repo}) as (hub_url, _):
+        env = {"HF_ENDPOINT": hub_url}
+        if token:
+            env["HF_TOKEN"] = right if token == "right" else token
+        with pytest.raises(JobError) as refused:
+            check_dataset(uri, env)
+        check_dataset(f"hf://datasets/{DATASET_ID}/{LMMS_SPLIT}", {"HF_ENDPOINT": hub_url, "HF_TOKEN": right})
+    org, name = path.split("/")[:2]
+    assert str(refused.value).startswith(f"input_uri {uri!r}: dataset {org + '/' + name.split('@')[0]!r} on {hub_url}")
+    assert says in str(refused.value), str(refused.value)

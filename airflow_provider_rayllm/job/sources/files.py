@@ -32,11 +32,13 @@ def _hidden(relative: str) -> bool:
 def expand(source: FileSource) -> list[str]:
     """Every input file, in a stable order; a clear error when a path matches nothing."""
     files: list[str] = []
-    checked: set[str] = set()
+    checked: set[tuple[str, str | None]] = set()
     for uri in source.uris:
-        if uri_scheme(uri) == "hf" and hf_dataset(uri)[:2] not in checked:
-            hub.check_dataset(uri)
-            checked.add(hf_dataset(uri)[:2])
+        if uri_scheme(uri) == "hf":
+            repo, revision, _ = hf_dataset(uri)
+            if (repo, revision) not in checked:
+                hub.check_dataset(uri)
+                checked.add((repo, revision))
         fs, path = filesystem_for(uri)
         scheme = uri_scheme(uri)
         prefix = "" if scheme == "file" else f"{scheme}://"

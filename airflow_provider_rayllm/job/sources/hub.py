@@ -19,13 +19,18 @@ NO_TOKEN = "the job has no Hugging Face token: give hf_conn_id (a connection who
 
 def check_dataset(uri: str, env: Mapping[str, str] | None = None) -> None:
     """A JobError naming ``uri`` when its dataset repo or revision cannot be read with the job's token."""
-    from huggingface_hub import HfApi, get_token
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    try:
+        from huggingface_hub import HfApi, get_token
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HfHubHTTPError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+    except ImportError:
+        raise JobError(
+            f"input_uri {uri!r}: reading hf:// needs huggingface_hub on the cluster (this package's `hf` extra)"
+        ) from None
 
     env = os.environ if env is None else env
     repo_id, revision, _ = hf_dataset(uri)
@@ -42,7 +47,7 @@ def check_dataset(uri: str, env: Mapping[str, str] | None = None) -> None:
     except RevisionNotFoundError:
         raise JobError(f"{where} has no revision {revision!r}") from None
     except RepositoryNotFoundError:
-        hint = f"; if it is private, {NO_TOKEN}" if not token else " that the job's token (hf_conn_id) can see"
+        hint = f"; if it is private, {NO_TOKEN}" if not token else ", or the job's token (hf_conn_id) cannot see it"
         raise JobError(f"{where} does not exist{hint}") from None
     except (HfHubHTTPError, OSError) as exc:
         raise JobError(f"{where} cannot be read: {exc}") from None
