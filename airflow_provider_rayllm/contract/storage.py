@@ -71,7 +71,11 @@ def _hf(env: Mapping[str, str]) -> Any:
     # Data ships and stores. The endpoint is no secret, and huggingface_hub reads HF_ENDPOINT only once, at
     # its import, so it is passed.
     token = hub_token(env) if env is not os.environ else None
-    return pafs.PyFileSystem(pafs.FSSpecHandler(HfFileSystem(endpoint=hub_endpoint(env), token=token)))
+    hub = HfFileSystem(endpoint=hub_endpoint(env), token=token)
+    # A pickled copy (Ray Data ships the filesystem to its JSON and CSV read tasks) is rebuilt from
+    # storage_options, where HfFileSystem keeps neither: the endpoint goes there so the copy keeps it.
+    hub.storage_options = {**hub.storage_options, "endpoint": hub.endpoint}
+    return pafs.PyFileSystem(pafs.FSSpecHandler(hub))
 
 
 def filesystem_for(uri: str, env: Mapping[str, str] | None = None) -> tuple[Any, str]:

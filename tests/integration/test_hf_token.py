@@ -88,7 +88,8 @@ DATASET_ID = "rayllm-test/LMMs-Eval-Lite"
 def test_a_gated_hf_dataset_is_read_with_the_connections_token_and_refused_without(ray_conn, service_logs, test_home):
     """The guide's VLM dataset path (hf://datasets/.../coco2017_cap_val/) from a gated Hub on loopback, read by the
     HTTP operator with the guide's vision_preprocess and vision_postprocess (from tests/dags/guide_blocks.py)
-    against the echo endpoint: no engine starts. The token and the Hub's address come from `hf_conn_id`."""
+    against the echo endpoint: no engine starts. The token and the Hub's address come from `hf_conn_id`. A second
+    job reads JSON lines from the same repo by a glob."""
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
     from tests.integration.helpers import (
         LMMS_SPLIT,
@@ -103,6 +104,8 @@ def test_a_gated_hf_dataset_is_read_with_the_connections_token_and_refused_witho
     token = f"hf_{secrets.token_hex(16)}"
     pictures = [((40 * i % 256, 200 - 10 * i, 30 + 15 * i), (32 + 4 * i, 24 + 2 * i)) for i in range(12)]
     repo = lmms_eval_lite_repo(test_home / "hub" / "lmms", [png(c, s) for c, s in pictures], files=2)
+    notes = [{"id": i, "prompt": f"note {i}"} for i in range(3)]
+    write_jsonl(repo / "notes" / "notes.jsonl", notes)
     guide = load_dag("tests/dags", "guide_blocks", "guide_vlm").task_dict["vision_processor"]
     uri = f"hf://datasets/{DATASET_ID}/{LMMS_SPLIT}/"
 
@@ -129,6 +132,15 @@ def test_a_gated_hf_dataset_is_read_with_the_connections_token_and_refused_witho
             op = operator("hub_dataset", hf_conn_id="hf_hub")
             manifest = op.execute({"ti": StandInTI("hub_dataset", "manual__token", op.task_id)})
             hub_requests = [json.loads(line) for line in Path(requests_log).read_text().splitlines()]
+            # JSON lines by a glob: Ray Data's own JSON reader, given the Hub's filesystem.
+            jsonl = echo_operator(
+                "llm_hub",
+                "hub_jsonl",
+                f"hf://datasets/{DATASET_ID}/notes/*.jsonl",
+                str(test_home / "out" / "hub_jsonl"),
+                hf_conn_id="hf_hub",
+            )
+            jsonl_manifest = jsonl.execute({"ti": StandInTI("hub_dataset", "manual__jsonl", jsonl.task_id)})
             # Without a token: the Hub's address alone, in the job's environment.
             bare = operator("hub_dataset_bare", job_runtime_env={"env_vars": {"HF_ENDPOINT": hub_url}})
             with pytest.raises(Exception) as refused:
@@ -147,11 +159,13 @@ def test_a_gated_hf_dataset_is_read_with_the_connections_token_and_refused_witho
     rows = read_rows(manifest["output_files"])
     assert all(set(r) == {"resp"} for r in rows), "the guide's vision_postprocess gives the output row, exactly"
     assert sorted(r["resp"] for r in rows) == sorted(expected)
-    assert stats["total"] == len(pictures) and set(stats["requests"].values()) == {1}, stats
+    answered = sorted(r["response"] for r in read_rows(jsonl_manifest["output_files"]))
+    assert answered == sorted(f"echo: {n['prompt']}" for n in notes)
+    assert stats["total"] == len(pictures) + len(notes) and set(stats["requests"].values()) == {1}, stats
 
     # The files came from the Hub, each request with the token; the token shows nowhere Ray keeps.
     to_files = [r for r in hub_requests if r["path"].startswith(f"/datasets/{DATASET_ID}/resolve/")]
-    assert {r["path"].rsplit("/", 1)[1] for r in to_files} == {"part-0000.parquet", "part-0001.parquet"}
+    assert {r["path"].rsplit("/", 1)[1] for r in to_files} == {p.name for p in (repo / LMMS_SPLIT).iterdir()}
     assert all(r["authorized"] for r in hub_requests if DATASET_ID in r["path"])
     hook = RayJobHook()
     assert token not in json.dumps(hook.get_job_info(manifest["submission_id"]))
