@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import time
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from tests.integration.helpers import (
     leaked_into_ray_logs,
     load_dag,
     read_rows,
+    record_figure,
     utc,
     write_jsonl,
     xcom,
@@ -143,8 +145,10 @@ def test_a_gated_hf_dataset_is_read_with_the_connections_token_and_refused_witho
             jsonl_manifest = jsonl.execute({"ti": StandInTI("hub_dataset", "manual__jsonl", jsonl.task_id)})
             # Without a token: the Hub's address alone, in the job's environment.
             bare = operator("hub_dataset_bare", job_runtime_env={"env_vars": {"HF_ENDPOINT": hub_url}})
+            started = time.monotonic()
             with pytest.raises(Exception) as refused:
                 bare.execute({"ti": StandInTI("hub_dataset", "manual__bare", bare.task_id)})
+            refused_after_s = time.monotonic() - started
         finally:
             os.environ.pop("AIRFLOW_CONN_HF_HUB", None)
         stats = json.loads(urllib.request.urlopen(f"{echo_url}/stats").read())
@@ -175,6 +179,14 @@ def test_a_gated_hf_dataset_is_read_with_the_connections_token_and_refused_witho
     message = str(refused.value)
     for words in (repr(uri), repr(DATASET_ID), "gated", "no Hugging Face token", "hf_conn_id"):
         assert words in message, message
+    record_figure(
+        "hf_dataset_gated",
+        rows=len(pictures),
+        parquet_files=len(to_files),
+        jsonl_rows=len(notes),
+        endpoint_requests=stats["total"],
+        refused_without_token_after_s=round(refused_after_s, 1),
+    )
 
 
 @pytest.mark.parametrize(
