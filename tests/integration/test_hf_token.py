@@ -182,7 +182,8 @@ def test_a_gated_hf_dataset_is_read_with_the_connections_token_and_refused_witho
     record_figure(
         "hf_dataset_gated",
         rows=len(pictures),
-        parquet_files=len(to_files),
+        parquet_files=len({r["path"] for r in to_files}),
+        hub_file_requests=len(to_files),
         jsonl_rows=len(notes),
         endpoint_requests=stats["total"],
         refused_without_token_after_s=round(refused_after_s, 1),
