@@ -26,7 +26,13 @@ FileFormat = Literal["parquet", "jsonl", "csv"]
 SinkFormat = Literal["parquet", "jsonl"]
 TaskType = Literal["generate", "embed", "classify", "score"]
 PG_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
-URI_SCHEMES = ("s3", "gs", "gcs", "file")
+URI_SCHEMES = ("s3", "gs", "gcs", "hf", "file")
+# Read only: Hugging Face dataset repos (hf://datasets/<org>/<name>[@<revision>]/<path>) are an input, never
+# an output or a model bucket.
+READ_ONLY_SCHEMES = ("hf",)
+HF_DATASET_URI = "hf://datasets/<org>/<name>/<path>"
+# The Hub's other repo kinds, named so a misplaced URI is told what it points at.
+_HF_OTHER_KINDS = {"spaces": "a Space", "buckets": "a storage bucket", "models": "a model repo"}
 
 # The reference guide's flag names (Ray < 2.60) and the stage configs that replaced them.
 GUIDE_STAGE_FLAGS = {
@@ -82,7 +88,27 @@ def is_local_path(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~", "file://"))
 
 
-def _check_uri(field: str, uri: str) -> str:
+def hf_dataset(uri: str, field: str = "input_uri") -> tuple[str, str | None, str]:
+    """(repo id, revision or None, path in the repo) of ``hf://datasets/<org>/<name>[@<revision>]/<path>``;
+    a ValueError naming ``field`` and the URI for anything else (a model repo, a Space, no dataset name)."""
+    rest = uri.split("://", 1)[1]
+    parts = [p for p in rest.split("/") if p]
+    expected = f"expected {HF_DATASET_URI}"
+    if not parts:
+        raise ValueError(f"{field} {uri!r} names no dataset ({expected})")
+    if parts[0] != "datasets":
+        kind = _HF_OTHER_KINDS.get(parts[0], "a model repo")
+        raise ValueError(f"{field} {uri!r} names {kind}; hf:// input reads dataset repos only ({expected})")
+    if len(parts) < 3:
+        raise ValueError(f"{field} {uri!r} names no dataset ({expected})")
+    org, name = parts[1], parts[2]
+    name, _, revision = name.partition("@")
+    if not name or "@" in org:
+        raise ValueError(f"{field} {uri!r} names no dataset ({expected})")
+    return f"{org}/{name}", revision or None, "/".join(parts[3:])
+
+
+def _check_uri(field: str, uri: str, *, read: bool = False) -> str:
     if not isinstance(uri, str) or not uri.strip():
         raise ValueError(f"{field} must be a non-empty path or URI, got {uri!r}")
     scheme = uri_scheme(uri)
@@ -90,7 +116,13 @@ def _check_uri(field: str, uri: str) -> str:
         raise ValueError(
             f"{field} {uri!r} has scheme {scheme!r}; allowed: local paths, " + ", ".join(f"{s}://" for s in URI_SCHEMES)
         )
-    if scheme not in ("file",) and not uri.split("://", 1)[1].split("/", 1)[0]:
+    if scheme in READ_ONLY_SCHEMES:
+        if not read:
+            raise ValueError(
+                f"{field} {uri!r}: {scheme}:// is read only (an input_uri); write to a path, s3:// or gs://"
+            )
+        hf_dataset(uri, "input_uri")
+    elif scheme != "file" and not uri.split("://", 1)[1].split("/", 1)[0]:
         raise ValueError(f"{field} {uri!r} names no bucket (expected {scheme}://<bucket>/<path>)")
     return uri
 
@@ -108,7 +140,7 @@ class FileSource(_Strict):
         "files", description="Input read from files on a path or bucket.", json_schema_extra=HIDDEN
     )
     uris: list[str] = Field(
-        description="Files, folders or globs (local paths, s3://, gs://); Parquet, JSONL or CSV.",
+        description="Files, folders or globs (local paths, s3://, gs://, hf://datasets/); Parquet, JSONL or CSV.",
         min_length=1,
         json_schema_extra=arg("input_uri", templated=True, optional=True),
     )
@@ -129,7 +161,7 @@ class FileSource(_Strict):
     @field_validator("uris")
     @classmethod
     def _valid_uris(cls, value: list[str]) -> list[str]:
-        return [_check_uri("source.uris", u) for u in value]
+        return [_check_uri("source.uris", u, read=True) for u in value]
 
     @model_validator(mode="after")
     def _known_format(self) -> FileSource:

@@ -1,4 +1,4 @@
-"""Paths and buckets through pyarrow filesystems (local paths, s3://, gs://), for both halves: the job
+"""Paths and buckets through pyarrow filesystems (local paths, s3://, gs://, hf://), for both halves: the job
 reads and writes through it, the operator reads the manifest with it. pyarrow is imported only when a
 filesystem is made, so the Airflow half can import this while parsing a DAG.
 """
@@ -53,6 +53,31 @@ def _gcs(env: Mapping[str, str]) -> Any:
     return pafs.GcsFileSystem()
 
 
+def hub_endpoint(env: Mapping[str, str]) -> str:
+    """The Hugging Face Hub the job talks to: HF_ENDPOINT (a private hub or a mirror), else huggingface.co."""
+    return (env.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+def hub_token(env: Mapping[str, str]) -> str | None:
+    return env.get("HF_TOKEN") or env.get("HUGGING_FACE_HUB_TOKEN") or None
+
+
+def _hf(env: Mapping[str, str]) -> Any:
+    import pyarrow.fs as pafs
+    from huggingface_hub import HfFileSystem
+
+    # The token is left for huggingface_hub to read from the process's environment (the job's secrets file
+    # puts it there on every worker): given to HfFileSystem, it would be pickled into the read tasks Ray
+    # Data ships and stores. The endpoint is no secret, and huggingface_hub reads HF_ENDPOINT only once, at
+    # its import, so it is passed.
+    token = hub_token(env) if env is not os.environ else None
+    hub = HfFileSystem(endpoint=hub_endpoint(env), token=token)
+    # A pickled copy (Ray Data ships the filesystem to its JSON and CSV read tasks) is rebuilt from
+    # storage_options, where HfFileSystem keeps neither: the endpoint goes there so the copy keeps it.
+    hub.storage_options = {**hub.storage_options, "endpoint": hub.endpoint}
+    return pafs.PyFileSystem(pafs.FSSpecHandler(hub))
+
+
 def filesystem_for(uri: str, env: Mapping[str, str] | None = None) -> tuple[Any, str]:
     """The pyarrow filesystem for ``uri`` and the path inside it; settings from ``env`` (default: os.environ)."""
     import pyarrow.fs as pafs
@@ -68,6 +93,8 @@ def filesystem_for(uri: str, env: Mapping[str, str] | None = None) -> tuple[Any,
             return _s3(env), path
         if scheme in ("gs", "gcs"):
             return _gcs(env), path
+        if scheme == "hf":
+            return _hf(env), path.rstrip("/")
     except Exception as exc:  # pyarrow raises several types for bad settings or missing credentials
         raise StorageError(f"cannot open {uri!r}: {exc}") from exc
     raise StorageError(f"{uri!r}: unsupported scheme {scheme!r}")

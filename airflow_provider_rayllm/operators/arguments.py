@@ -117,7 +117,9 @@ class JobSettings(BaseModel):
         None, description="Airflow `google_cloud_platform` connection whose key the job uses for gs:// (job secret)."
     )
     hf_conn_id: str | None = Field(
-        None, description="Connection whose password is a Hugging Face token, for gated models (job secret)."
+        None,
+        description="Connection whose password is a Hugging Face token, for gated models and hf:// datasets (job "
+        "secret); its host, when set, is the Hub's address (a private hub or a mirror: HF_ENDPOINT).",
     )
     entrypoint_num_cpus: float | None = Field(
         None, description="CPUs the job's driver reserves on the cluster (Ray's default: 0)."

@@ -114,12 +114,19 @@ def gcp_env(conn_id: str) -> dict[str, str]:
 
 
 def hf_env(conn_id: str) -> dict[str, str]:
-    """A Hugging Face token: the connection's password (any connection type)."""
+    """A Hugging Face token: the connection's password (any connection type); its host, when set, is the Hub
+    the job talks to (a private hub or a mirror: HF_ENDPOINT)."""
     conn = BaseHook.get_connection(conn_id)
     token = conn.password or _extra(conn, "token", conn.conn_type or "")
     if not token:
         raise InvalidSpec(f"hf_conn_id {conn_id!r} holds no token (put it in the password field)")
-    return {"HF_TOKEN": token, "HUGGING_FACE_HUB_TOKEN": token}
+    env = {"HF_TOKEN": token, "HUGGING_FACE_HUB_TOKEN": token}
+    endpoint = _extra(conn, "endpoint", conn.conn_type or "") or conn.host
+    if endpoint:
+        if "://" not in endpoint:
+            endpoint = f"{conn.schema or 'https'}://{endpoint}" + (f":{conn.port}" if conn.port else "")
+        env["HF_ENDPOINT"] = endpoint.rstrip("/")
+    return env
 
 
 _DIALECTS = {"postgres": "postgresql", "postgresql": "postgresql", "mysql": "mysql", "sqlite": "sqlite"}

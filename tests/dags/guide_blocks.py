@@ -4,6 +4,7 @@ the model is a Param whose default is the guide's; the CPU tests run the same DA
 
 guide_quickstart        "Quickstart: vLLM batch inference" (from_items rows, the chat preprocess)
 guide_vlm               "vision-language models" (vision_preprocess with a PIL image, vision_postprocess)
+guide_vlm_config        the same section's "more comprehensive" create_vlm_config(), as processor_config
 guide_openai_endpoint   "batch inference with an OpenAI-compatible endpoint" (payload / http_response)
 guide_serve_chain       "batch inference with a Serve deployment" (processor2(processor1(ds)), completions)
 """
@@ -122,6 +123,8 @@ with DAG(
         "input_uri": Param("hf://datasets/lmms-lab/LMMs-Eval-Lite/coco2017_cap_val/", type="string"),
         "max_model_len": Param(4096, type="integer"),
         "accelerator_type": Param("L4", type=["null", "string"]),
+        # Where the job finds the Hub (HF_ENDPOINT: a private hub or a mirror); empty for huggingface.co.
+        "job_runtime_env": Param({}, type="object"),
     },
     render_template_as_native_obj=True,
 ) as guide_vlm:
@@ -147,6 +150,42 @@ with DAG(
         accelerator_type="{{ params.accelerator_type }}",
         concurrency=1,
         has_image=True,
+        preprocess=vision_preprocess,
+        postprocess=vision_postprocess,
+        job_runtime_env="{{ params.job_runtime_env }}",
+    )
+
+
+# The section's second config ("for more comprehensive VLM configuration"), as the guide writes it, but as a
+# dict of its fields: Ray 2.60's vLLMEngineProcessorConfig no longer takes has_image (the operator does).
+def create_vlm_config():
+    """Create VLM configuration."""
+    return dict(
+        model_source="Qwen/Qwen2.5-VL-3B-Instruct",
+        engine_kwargs=dict(
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            max_model_len=4096,
+            trust_remote_code=True,
+            limit_mm_per_prompt={"image": 1},
+        ),
+        runtime_env={
+            # "env_vars": {"HF_TOKEN": "your-hf-token-here"} # Token not needed for public models
+        },
+        batch_size=1,
+        accelerator_type="L4",
+        concurrency=1,
+        has_image=True,
+    )
+
+
+# The guide's run_vlm_example: config = create_vlm_config(), its dataset, build_processor(config, preprocess=...,
+# postprocess=...).
+with DAG(dag_id="guide_vlm_config", start_date=START, schedule=None) as guide_vlm_config:
+    VLLMBatchOperator(
+        task_id="vision_processor",
+        processor_config=create_vlm_config(),
+        input_uri="hf://datasets/lmms-lab/LMMs-Eval-Lite/coco2017_cap_val/",
         preprocess=vision_preprocess,
         postprocess=vision_postprocess,
     )

@@ -1,4 +1,5 @@
-"""An OpenAI-style chat endpoint that answers every request after DELAY seconds.
+"""An OpenAI-style chat endpoint that answers every request after DELAY seconds with the last message's text
+(an image part as its size and first pixel's colour).
 
 Run as `python echo_server.py PORT DELAY [nocount]`. GET /stats returns how many requests each prompt got, so a
 test can tell a re-sent request (fine) from a duplicated output row (not fine); `nocount` keeps no count (a
@@ -9,7 +10,9 @@ status until POST /fail {"status": 0}.
 """
 
 import asyncio
+import base64
 import collections
+import io
 import re
 import sys
 import time
@@ -24,9 +27,24 @@ SLEEP = re.compile(r"^\[sleep ([0-9.]+)\]")
 FAIL = {"status": 0}
 
 
+def _image(url: str) -> str:
+    """An image part as what the picture is: its size and the colour of its first pixel."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+    return f"[image {image.width}x{image.height} {image.getpixel((0, 0))}]"
+
+
+def _text(content) -> str:
+    """The message's text; a multimodal message's parts in order, each image told by what it shows."""
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] if p["type"] == "text" else _image(p["image_url"]["url"]) for p in content)
+
+
 async def chat(request: web.Request) -> web.Response:
     body = await request.json()
-    text = body["messages"][-1]["content"]
+    text = _text(body["messages"][-1]["content"])
     if COUNT:
         REQUESTS[text] += 1
         arrived = time.time()

@@ -289,3 +289,40 @@ def echo_operator(conn_id: str, task_id: str, input_uri: str, output_uri: str, *
     )
     settings.update(kw)
     return HttpLLMBatchOperator(**settings)
+
+
+def png(color: tuple[int, int, int], size: tuple[int, int] = (64, 64)) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+LMMS_SPLIT = "coco2017_cap_val"
+
+
+def lmms_eval_lite_repo(repo_dir: Path, images: list[bytes], files: int = 1) -> Path:
+    """A dataset repo folder shaped like lmms-lab/LMMs-Eval-Lite, the guide's VLM dataset: a README and, under
+    its split's folder, Parquet files of rows with an image struct ({bytes, path}), a question and a list of
+    answer choices; one row per image, spread over ``files`` files."""
+    import pyarrow as pa
+
+    split = repo_dir / LMMS_SPLIT
+    split.mkdir(parents=True, exist_ok=True)
+    (repo_dir / "README.md").write_text("Rows shaped like LMMs-Eval-Lite's, for tests.\n")
+    per_file = -(-len(images) // files)
+    for n in range(files):
+        ids = range(n * per_file, min(len(images), (n + 1) * per_file))
+        table = pa.table(
+            {
+                "question_id": list(ids),
+                "question": [f"What color is picture {i}?" for i in ids],
+                "answer": [["red", "blue", "green"] for _ in ids],
+                "image": [{"bytes": images[i], "path": f"{i}.png"} for i in ids],
+            }
+        )
+        pq.write_table(table, split / f"part-{n:04d}.parquet")
+    return repo_dir

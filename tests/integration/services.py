@@ -15,20 +15,24 @@ __all__ = ["s3_server", "vllm_openai_server", "wait_http"]
 
 
 @contextmanager
-def hf_hub_server(log_dir: Path, repo_id: str, model_dir: Path, token: str) -> Iterator[tuple[str, Path]]:
-    """A gated Hugging Face Hub serving `model_dir` as `repo_id` (hf_hub_server.py); yields its URL and
+def hf_hub_server(
+    log_dir: Path,
+    repo_id: str | None,
+    model_dir: Path | None,
+    token: str,
+    datasets: dict[str, Path] | None = None,
+    public_datasets: dict[str, Path] | None = None,
+) -> Iterator[tuple[str, Path]]:
+    """A Hugging Face Hub serving `model_dir` as the gated model `repo_id`, each folder of `datasets` as a gated
+    dataset repo and each of `public_datasets` as one anyone may read (hf_hub_server.py); yields its URL and
     the file where it logs each request and whether it carried the token."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     requests = log_dir / f"hub-requests-{port}.jsonl"
-    cmd = [
-        sys.executable,
-        str(Path(__file__).with_name("hf_hub_server.py")),
-        str(port),
-        repo_id,
-        str(model_dir),
-        str(requests),
-    ]
+    repos = [f"model:{repo_id}={model_dir}"] if repo_id and model_dir else []
+    repos += [f"dataset:{name}={folder}" for name, folder in (datasets or {}).items()]
+    repos += [f"public-dataset:{name}={folder}" for name, folder in (public_datasets or {}).items()]
+    cmd = [sys.executable, str(Path(__file__).with_name("hf_hub_server.py")), str(port), str(requests), *repos]
     with _process(cmd, url, log_dir / "hf-hub.log", env={"HUB_TOKEN": token}):
         yield url, requests
 

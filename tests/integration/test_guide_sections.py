@@ -9,9 +9,12 @@ import pytest
 
 from tests.gpu.jobs import gpu_count, hub_unreachable
 from tests.integration.helpers import (
+    LMMS_SPLIT,
     assert_succeeded,
     check_demo_embeddings,
+    lmms_eval_lite_repo,
     load_dag,
+    png,
     read_rows,
     utc,
     xcom,
@@ -27,16 +30,6 @@ def _run(name: str, task_id: str, conf: dict, day: int, folder: str = "dags_exam
     dag_run = dag.test(logical_date=utc(2026, month, day), run_after=utc(2026, month, day), run_conf=conf)
     assert_succeeded(dag_run, task_id)
     return xcom(dag.dag_id, dag_run.run_id, task_id, "return_value")
-
-
-def _png(color) -> bytes:
-    import io
-
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (64, 64), color).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def test_the_guides_embeddings_stream_2048_rows_with_no_engine_kwargs(ray_conn, airflow_db):
@@ -134,11 +127,11 @@ def test_vision_rows_answer_from_their_own_image_and_a_broken_image_is_an_error_
     folder.mkdir(parents=True, exist_ok=True)
     colors = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 200, 60)}
     for name, color in colors.items():
-        (folder / f"{name}.png").write_bytes(_png(color))
+        (folder / f"{name}.png").write_bytes(png(color))
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a picture")
 
     def url(name):
-        return "data:image/png;base64," + base64.b64encode(_png(colors[name])).decode()
+        return "data:image/png;base64," + base64.b64encode(png(colors[name])).decode()
 
     # Nine good rows and one broken file: at the default max_error_fraction of 0.1.
     images = [
@@ -235,51 +228,44 @@ def test_the_guides_quickstart_block_on_a_gpu(ray_conn, airflow_db):
     assert manifest["rows_out"] == 2 and manifest["rows_errored"] == 0
 
 
-def _lmms_eval_rows(folder) -> str:
-    """Rows shaped like LMMs-Eval-Lite's (the guide's dataset): an image struct with its bytes, a question and
-    a list of answer choices; the last image is broken."""
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    colors = [(220, 30, 30), (30, 60, 220), (30, 200, 60)] * 3
-    images = [{"bytes": _png(c), "path": f"{i}.png"} for i, c in enumerate(colors)]
-    images.append({"bytes": b"\x89PNG\r\n\x1a\n not really a picture", "path": "broken.png"})
-    table = pa.table(
-        {
-            "question_id": list(range(len(images))),
-            "question": ["What color is this picture?"] * len(images),
-            "answer": [["red", "blue", "green"]] * len(images),
-            "image": images,
-        }
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, folder / "lmms.parquet")
-    return str(folder / "lmms.parquet")
-
-
-def test_the_guides_vlm_block_as_written(ray_conn, airflow_db, test_home):
+def test_the_guides_vlm_block_as_written(ray_conn, airflow_db, test_home, service_logs):
     """tests/dags/guide_blocks.py's guide_vlm: the guide's vision_preprocess (a PIL Image in the message,
     sampling_params with detokenize=False) and vision_postprocess unchanged, its config (has_image, chunked
-    prefill, runtime_env) as arguments; the small random Idefics3 for Qwen2.5-VL, no accelerator type."""
+    prefill, runtime_env) as arguments, its dataset read as the guide reads it, by an hf://datasets/ URI (from
+    a Hub on loopback serving LMMs-Eval-Lite-shaped rows in two Parquet files); the small random Idefics3
+    for Qwen2.5-VL, no accelerator type."""
     from airflow_provider_rayllm.local.models import tiny_vlm_path
+    from tests.integration.services import hf_hub_server
 
-    conf = {
-        "model_source": str(tiny_vlm_path()),
-        "input_uri": _lmms_eval_rows(test_home / "inputs" / "lmms"),
-        "max_model_len": 1024,  # the tiny model's own limit (the guide's 4096 fits Qwen2.5-VL)
-        "accelerator_type": None,
-    }
+    colors = [(220, 30, 30), (30, 60, 220), (30, 200, 60)] * 3
     # Nine good images and one broken: at the default max_error_fraction of 0.1 the job publishes.
-    manifest = _guide("guide_vlm", "vision_processor", conf, 3)
-    assert manifest["rows_in"] == 10 and manifest["rows_out"] == 9 and manifest["rows_errored"] == 1
+    images = [png(c) for c in colors] + [b"\x89PNG\r\n\x1a\n not really a picture"]
+    repo = lmms_eval_lite_repo(test_home / "hub" / "lmms-vlm", images, files=2)
+    dataset = "lmms-lab/LMMs-Eval-Lite"
+    with hf_hub_server(service_logs, None, None, "unused", public_datasets={dataset: repo}) as (hub_url, log):
+        conf = {
+            "model_source": str(tiny_vlm_path()),
+            "input_uri": f"hf://datasets/{dataset}/{LMMS_SPLIT}/",
+            "max_model_len": 1024,  # the tiny model's own limit (the guide's 4096 fits Qwen2.5-VL)
+            "accelerator_type": None,
+            "job_runtime_env": {"env_vars": {"HF_ENDPOINT": hub_url}},
+        }
+        manifest = _guide("guide_vlm", "vision_processor", conf, 3)
+        downloads = {
+            json.loads(line)["path"].rsplit("/", 1)[1]
+            for line in log.read_text().splitlines()
+            if f"/datasets/{dataset}/resolve/" in line
+        }
+    assert downloads == {p.name for p in (repo / LMMS_SPLIT).iterdir()}, "the rows came from the Hub"
+    assert manifest["rows_in"] == len(images) and manifest["rows_out"] == len(colors)
+    assert manifest["rows_errored"] == 1
     (error,) = read_rows(manifest["error_files"])
     assert "UnidentifiedImageError" in error["error"], error["error"]
     rows = read_rows(manifest["output_files"])
     assert all(set(r) == {"resp"} for r in rows), "the guide's vision_postprocess gives the output row, exactly"
     # The guide's detokenize=False leaves the text to a detokenize step: the answers are text, not empty.
     assert all(r["resp"] for r in rows)
-    assert 0 < manifest["output_tokens"] <= 9 * 150
+    assert 0 < manifest["output_tokens"] <= len(colors) * 150
 
 
 @pytest.mark.gpu

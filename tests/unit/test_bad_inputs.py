@@ -26,6 +26,22 @@ VLLM_CASES = [
     ("input on an unsupported scheme", {"input_uri": "ftp://x/y.jsonl"}, ["input_uri", "ftp://x/y.jsonl", "ftp"]),
     ("empty input location", {"input_uri": ""}, ["input_uri", "''"]),
     ("bucket URI without a bucket", {"input_uri": "s3://"}, ["input_uri", "'s3://'", "no bucket"]),
+    (
+        "a Hugging Face model repo as the input",
+        {"input_uri": "hf://lmms-lab/LMMs-Eval-Lite/coco2017_cap_val/"},
+        ["input_uri", "'hf://lmms-lab/LMMs-Eval-Lite/coco2017_cap_val/'", "a model repo", "hf://datasets/"],
+    ),
+    (
+        "a Hugging Face Space as the input",
+        {"input_uri": "hf://spaces/org/app/data.csv"},
+        ["input_uri", "'hf://spaces/org/app/data.csv'", "a Space"],
+    ),
+    ("a Hugging Face URI with no dataset", {"input_uri": "hf://datasets/lmms-lab"}, ["input_uri", "names no dataset"]),
+    (
+        "output to the Hugging Face Hub",
+        {"output_uri": "hf://datasets/org/out"},
+        ["output_uri", "'hf://datasets/org/out'", "read only"],
+    ),
     ("unknown input format", {"input_format": "xml"}, ["input_format", "'xml'"]),
     ("output format we cannot write", {"output_format": "csv"}, ["output_format", "'csv'"]),
     ("output on an unsupported scheme", {"output_uri": "ftp://out"}, ["output_uri", "ftp://out"]),

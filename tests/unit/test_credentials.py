@@ -122,9 +122,17 @@ def test_unsupported_sql_connection(monkeypatch):
 def test_hf_token(monkeypatch):
     conn(monkeypatch, "hf", conn_type="generic", password="hf_abc")
     assert credentials.hf_env("hf")["HF_TOKEN"] == "hf_abc"
+    assert "HF_ENDPOINT" not in credentials.hf_env("hf"), "no host: the job keeps huggingface.co"
     conn(monkeypatch, "hf2", conn_type="generic")
     with pytest.raises(InvalidSpec, match="holds no token"):
         credentials.hf_env("hf2")
+
+
+def test_hf_connection_host_is_the_hub_the_job_talks_to(monkeypatch):
+    conn(monkeypatch, "hub", conn_type="generic", host="http://127.0.0.1:8123/", password="hf_abc")
+    assert credentials.hf_env("hub")["HF_ENDPOINT"] == "http://127.0.0.1:8123"
+    conn(monkeypatch, "hub2", conn_type="generic", host="hub.example.com", port=8443, password="hf_abc")
+    assert credentials.hf_env("hub2")["HF_ENDPOINT"] == "https://hub.example.com:8443"
 
 
 def test_secrets_file_loads_into_env_and_keyfile_becomes_private_file(tmp_path, monkeypatch):

@@ -558,3 +558,26 @@ def test_rays_reason_drops_the_announcement_of_the_log_it_appends():
     )
     assert ray_reason(message) == "Job entrypoint command failed with exit code 1"
     assert ray_reason("Job was intentionally stopped.") == "Job was intentionally stopped."
+
+
+def test_the_guides_second_vlm_config_reaches_the_spec_and_vllm_takes_its_engine_kwargs(tmp_path, monkeypatch):
+    """tests/dags/guide_blocks.py's guide_vlm_config: the VLM section's create_vlm_config() as the operator's
+    processor_config, over the guide's hf:// dataset: each of its settings is in the job spec, and vLLM's own
+    argument class takes its engine_kwargs (trust_remote_code, limit_mm_per_prompt)."""
+    from airflow_provider_rayllm.job.engines.vllm.checks import check_engine_kwargs
+    from tests.integration.helpers import load_dag
+
+    conn = {"conn_type": "ray", "host": "http://127.0.0.1:1", "extra": {"output_base": str(tmp_path / "out")}}
+    monkeypatch.setenv("AIRFLOW_CONN_RAY_DEFAULT", json.dumps(conn))
+    op = load_dag("tests/dags", "guide_blocks", "guide_vlm_config").task_dict["vision_processor"]
+    config = op.preprocess.__globals__["create_vlm_config"]()
+    spec = op.build_spec({"ti": Ti()}, tmp_path)
+    p = spec.processor
+    assert p.model_source == config["model_source"] and p.batch_size == config["batch_size"] == 1
+    assert p.accelerator_type == config["accelerator_type"] and p.concurrency == config["concurrency"]
+    assert {k: p.engine_kwargs[k] for k in config["engine_kwargs"]} == config["engine_kwargs"]
+    assert p.prepare_multimodal_stage is True, "the guide's has_image=True turns the multimodal stage on"
+    assert not p.runtime_env
+    assert spec.source.uris == ["hf://datasets/lmms-lab/LMMs-Eval-Lite/coco2017_cap_val/"]
+    assert spec.prompt.preprocess is not None and spec.prompt.postprocess is not None
+    check_engine_kwargs(config["model_source"], config["engine_kwargs"])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from airflow_provider_rayllm.contract.spec import JobSpec, SpecError, map_guide_flags, parse_spec
+from airflow_provider_rayllm.contract.spec import JobSpec, SpecError, hf_dataset, map_guide_flags, parse_spec
 
 
 def body(**overrides):
@@ -49,6 +49,46 @@ def test_wrong_type_names_field_and_value():
 def test_bad_input_uri_is_refused(uri):
     with pytest.raises(SpecError, match="source.uris"):
         parse_spec(body(source={"uris": uri, "format": "jsonl"}))
+
+
+@pytest.mark.parametrize(
+    "uri, repo",
+    [
+        (
+            "hf://datasets/lmms-lab/LMMs-Eval-Lite/coco2017_cap_val/",
+            ("lmms-lab/LMMs-Eval-Lite", None, "coco2017_cap_val"),
+        ),
+        ("hf://datasets/org/name@v1.0/data/*.parquet", ("org/name", "v1.0", "data/*.parquet")),
+        ("hf://datasets/org/name", ("org/name", None, "")),
+    ],
+)
+def test_a_hugging_face_dataset_uri_is_an_input(uri, repo):
+    spec = parse_spec(body(source={"uris": uri}))
+    assert spec.source.uris == [uri]
+    assert hf_dataset(uri) == repo
+
+
+@pytest.mark.parametrize(
+    "uri, says",
+    [
+        ("hf://lmms-lab/LMMs-Eval-Lite/coco2017_cap_val/", "names a model repo"),
+        ("hf://models/org/name/x.parquet", "names a model repo"),
+        ("hf://spaces/org/app/x.csv", "names a Space"),
+        ("hf://buckets/org/b/x.parquet", "names a storage bucket"),
+        ("hf://datasets/org", "names no dataset"),
+        ("hf://datasets/org/@v1/x", "names no dataset"),
+        ("hf://", "names no dataset"),
+    ],
+)
+def test_a_hugging_face_uri_that_is_no_dataset_is_refused_naming_it(uri, says):
+    with pytest.raises(SpecError) as exc:
+        parse_spec(body(source={"uris": uri}))
+    assert f"input_uri {uri!r} {says}" in str(exc.value) and "hf://datasets/<org>/<name>/<path>" in str(exc.value)
+
+
+def test_the_hub_is_read_only():
+    with pytest.raises(SpecError, match=r"output_uri 'hf://datasets/org/out': hf:// is read only"):
+        parse_spec(body(sink={"uri": "hf://datasets/org/out"}))
 
 
 def test_format_is_inferred_from_names_or_left_to_the_job():

@@ -1,4 +1,5 @@
-"""Files and bucket objects as the job's input: Parquet, JSONL or CSV, through Ray Data's readers."""
+"""Files, bucket objects and Hugging Face datasets as the job's input: Parquet, JSONL or CSV, through Ray
+Data's readers."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import Any, Iterator
 
 import pyarrow.fs as pafs
 
-from airflow_provider_rayllm.contract.spec import FileSource, format_from_uri, uri_scheme
+from airflow_provider_rayllm.contract.spec import FileSource, format_from_uri, hf_dataset, uri_scheme
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.filesystems import filesystem_for
+from airflow_provider_rayllm.job.sources import hub
 
 # Enough of a JSON or CSV file to learn its columns (pyarrow infers from its first block too); more when its
 # first row (or, for CSV, the header and first row) is longer.
@@ -52,7 +54,13 @@ def _skip_hidden(matched: list[str], path: str) -> list[str]:
 def expand(source: FileSource) -> list[str]:
     """Every input file, in a stable order; a clear error when a path matches nothing."""
     files: list[str] = []
+    checked: set[tuple[str, str | None]] = set()
     for uri in source.uris:
+        if uri_scheme(uri) == "hf":
+            repo, revision, _ = hf_dataset(uri)
+            if (repo, revision) not in checked:
+                hub.check_dataset(uri)
+                checked.add((repo, revision))
         fs, path = filesystem_for(uri)
         scheme = uri_scheme(uri)
         prefix = "" if scheme == "file" else f"{scheme}://"
