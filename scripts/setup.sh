@@ -55,7 +55,9 @@ fi
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     log "installing Debian's chromium for the browser test"
-    apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null; }
+    # Another apt on the machine (a second checkout's setup, an unattended upgrade) holds dpkg's lock: wait for it.
+    apt="apt-get -o DPkg::Lock::Timeout=300"
+    $apt install -y -q chromium >/dev/null 2>&1 || { $apt update -q >/dev/null 2>&1 && $apt install -y -q chromium >/dev/null; }
   else
     log "no chromium: the browser test will be skipped (CI fails instead); install Debian's chromium package"
   fi
