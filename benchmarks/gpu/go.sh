@@ -5,7 +5,8 @@
 # there and /tmp/gpu/minilm once all MiniLM pieces are there, then runs the phases of $PHASES that are not done
 # yet and whose inputs have arrived, within BUDGET_S seconds (state in /tmp/gpu/state, so the next call on the
 # same warm machine continues). Between phases it kills processes left on the GPU and prints GPU memory used.
-# At the end $OUT gets: results.json (all phases so far), go.log (this call), gpu.csv, logs/<job phase>.log.
+# At the end $OUT gets: results.json (all phases so far), go.log (this call), gpu.csv, logs/<job phase>.log,
+# gputests.xml and logs/gputests_jobs.log (the gpu tests' Ray job logs) when the gputests phase ran.
 #
 # Phases (default order):
 #   envcheck        versions, where each module comes from, the imports our driver and the Ray head need
@@ -38,14 +39,31 @@ finish() {
   cp -f "$W/results.json" "$OUT/" 2>/dev/null
   [ -f "$W/gpu.csv" ] && tail -c 8000000 "$W/gpu.csv" > "$OUT/gpu.csv"
   mkdir -p "$OUT/logs"
-  ls -t "$W"/logs/ourjob*.log 2>/dev/null | grep -v '\.full\.log$' | head -4 | while read -r f; do
+  ls -t "$W"/logs/ourjob*.log 2>/dev/null | grep -v '\.full\.log$' | head -3 | while read -r f; do
     tail -c 4000000 "$f" > "$OUT/logs/$(basename "$f")"; done
+  # The gpu tests' Ray job logs of this call (driver + engine lines Ray forwards), head and tail of each: a
+  # failed test's pytest message holds only the last 4,000 characters.
+  find /tmp/ray/session_latest/logs/ -maxdepth 1 -name 'job-driver-gpu-test-*.log' -newermt "@$START" 2>/dev/null | sort |
+    while read -r f; do echo "===== $(basename "$f") ($(stat -c %s "$f") bytes)"; head -c 300000 "$f";
+      echo; echo "----- tail"; tail -c 1500000 "$f"; done > "$OUT/logs/gputests_jobs.log"
+  [ -s "$OUT/logs/gputests_jobs.log" ] || rm -f "$OUT/logs/gputests_jobs.log"
   rmdir "$OUT/logs" 2>/dev/null
   echo "== go.sh end $(date -u +%FT%TZ): done: $(ls "$W/state" | grep '^done_' | sed 's/done_//' | tr '\n' ' ')"
   echo "== $(left) s of the budget left; GPU memory used: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"
   sleep 1
 }
 trap finish EXIT
+
+# --- 0. SEED=<a results folder, e.g. benchmarks/results/<date>-gpu>: a fresh machine continues that run ---------
+# Its results.json and gpu.csv become this machine's starting state, and its gputests answers the answers file,
+# so what comes back holds the earlier holds' phases too (a phase run again here replaces its entry).
+if [ -n "${SEED:-}" ] && [ ! -e "$W/results.json" ] && [ -f "$REPO/$SEED/results.json" ]; then
+  cp "$REPO/$SEED/results.json" "$W/results.json"
+  [ -f "$REPO/$SEED/gpu.csv" ] && cp "$REPO/$SEED/gpu.csv" "$W/gpu.csv"
+  python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['phases'].get('gputests') or {}
+json.dump(g.get('guide_answers') or {}, open(sys.argv[2], 'w'), indent=1)" "$W/results.json" "$W/guide_answers.json"
+  echo "== seeded from $SEED: phases $(python3 -c "import json; print(' '.join(json.load(open('$W/results.json'))['phases']))")"
+fi
 
 # --- 1. the carried pieces ------------------------------------------------------------------------------------
 if [ -f "$GPU_DIR/scripts/STAMP" ]; then

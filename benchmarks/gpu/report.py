@@ -20,7 +20,8 @@ the offline script's whole process (go.sh's clock before the interpreter and aft
 from submission to SUCCEEDED (Ray's job record, milliseconds); the timed offline call against our engine's
 ready (Ray's task record of the engine actor's constructor) -> the last answer the job counted (manifest
 timeline, from the driver's start). The guide sections' answers (gputests) and the gpu tests' outcomes
-(gputests.xml) are carried over.
+(gputests.xml, or one gputests-<n>.xml per call that ran the phase: a later call's outcome of a test replaces
+an earlier one's) are carried over.
 """
 
 from __future__ import annotations
@@ -271,7 +272,7 @@ def summarize(src: Path, price: float) -> dict[str, Any]:
 
     out.update(honest_windows(phases, src))
     out["guide_answers"] = (phases.get("gputests") or {}).get("guide_answers")
-    out["gpu_tests"] = gpu_tests(src / "gputests.xml")
+    out["gpu_tests"] = gpu_tests(src)
 
     out["gpu_after_phase"] = {
         k: {
@@ -391,30 +392,40 @@ def honest_windows(phases: dict, src: Path | None = None) -> dict:
     return out
 
 
-def gpu_tests(path: Path) -> dict | None:
-    """The gputests phase's JUnit file: each test's outcome, seconds and skip reason."""
-    if not path.exists():
-        return None
+def _xml_order(path: Path) -> int:
+    """gputests.xml first, then gputests-<n>.xml by n (the call that returned it)."""
+    m = re.fullmatch(r"gputests-(\d+)\.xml", path.name)
+    return int(m.group(1)) if m else 0
+
+
+def gpu_tests(src: Path) -> dict | None:
+    """The gputests phase's JUnit files (gputests.xml, gputests-<n>.xml): each test's outcome, seconds, skip
+    reason and file; a test run in several calls keeps the latest call's outcome."""
     import xml.etree.ElementTree as ET
 
-    tests = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        outcome, reason = "passed", None
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                outcome, reason = (
-                    {"failure": "failed", "error": "error", "skipped": "skipped"}[tag],
-                    node.get("message"),
-                )
-        tests.append(
-            {
-                "test": f"{case.get('classname')}::{case.get('name')}",
+    files = sorted(src.glob("gputests*.xml"), key=_xml_order)
+    if not files:
+        return None
+    by_test: dict[str, dict] = {}
+    for path in files:
+        for case in ET.parse(path).getroot().iter("testcase"):
+            outcome, reason = "passed", None
+            for tag in ("failure", "error", "skipped"):
+                node = case.find(tag)
+                if node is not None:
+                    outcome, reason = (
+                        {"failure": "failed", "error": "error", "skipped": "skipped"}[tag],
+                        node.get("message"),
+                    )
+            name = f"{case.get('classname')}::{case.get('name')}"
+            by_test[name] = {
+                "test": name,
                 "outcome": outcome,
                 "s": float(case.get("time") or 0),
                 "reason": reason,
+                "file": path.name,
             }
-        )
+    tests = list(by_test.values())
     counts: dict[str, int] = {}
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
