@@ -44,8 +44,9 @@ finish() {
   # The gpu tests' Ray job logs of this call (driver + engine lines Ray forwards), head and tail of each: a
   # failed test's pytest message holds only the last 4,000 characters.
   find /tmp/ray/session_latest/logs/ -maxdepth 1 -name 'job-driver-gpu-test-*.log' -newermt "@$START" 2>/dev/null | sort |
-    while read -r f; do echo "===== $(basename "$f") ($(stat -c %s "$f") bytes)"; head -c 300000 "$f";
-      echo; echo "----- tail"; tail -c 1500000 "$f"; done > "$OUT/logs/gputests_jobs.log"
+    while read -r f; do echo "===== $(basename "$f") ($(stat -c %s "$f") bytes)";
+      if [ "$(stat -c %s "$f")" -le 1800000 ]; then cat "$f"; else head -c 300000 "$f"; echo; echo "----- tail";
+        tail -c 1500000 "$f"; fi; done > "$OUT/logs/gputests_jobs.log"
   [ -s "$OUT/logs/gputests_jobs.log" ] || rm -f "$OUT/logs/gputests_jobs.log"
   rmdir "$OUT/logs" 2>/dev/null
   echo "== go.sh end $(date -u +%FT%TZ): done: $(ls "$W/state" | grep '^done_' | sed 's/done_//' | tr '\n' ' ')"
@@ -105,6 +106,9 @@ from concurrent.futures import ProcessPoolExecutor
 def unpack(path, dest=sys.argv[2]):
     with zipfile.ZipFile(path) as z:
         for info in z.infolist():
+            # Wheels share folders (opentelemetry/ of five wheels): zipfile's own makedirs races between the
+            # workers ("FileExistsError: /tmp/site/opentelemetry" on 2026-12-04, one wheel left half unpacked).
+            os.makedirs(os.path.join(dest, os.path.dirname(info.filename)), exist_ok=True)
             out = z.extract(info, dest)
             mode = (info.external_attr >> 16) & 0o777
             if mode and not info.is_dir():
@@ -115,6 +119,7 @@ with ProcessPoolExecutor(16) as pool:
     done = list(pool.map(unpack, wheels))
 print(f"== {len(done)} wheels unpacked")
 PYEOF
+    [ $? -eq 0 ] || { echo "== unpacking the wheels FAILED: send the calls again from call 1"; rm -rf /tmp/site; exit 1; }
     rm -rf /tmp/site/*.data
     for m in minilm smollm2 lora; do rm -rf "${W:?}/$m"; mv "$W/bundle/$m" "$W/$m"; done
     rm -rf "$W/bundle"

@@ -9,6 +9,8 @@ every phase run so far):
     benchmarks/results/<date>-gpu/go.log          (optional) the call's log
     benchmarks/results/<date>-gpu/gpu.csv         (optional) phase,time,mem_used_mib,util_pct,power_w, one row a second
     benchmarks/results/<date>-gpu/logs/*.log      (optional) our job's logs, head and tail
+    benchmarks/results/<date>-gpu/gputests*.xml   (optional) the gpu tests' JUnit files, one per call
+    benchmarks/results/<date>-gpu/notes.json      (optional) written by hand: {key: value} added to the summary
 Phases read: envcheck, offline (vLLM LLM.chat, the ceiling), ourjob_gen and ourjob_gen_matched (our driver
 through the Jobs API), offline_embed and ourjob_embed (MiniLM), head, gpu_after_phase.
 
@@ -273,6 +275,15 @@ def summarize(src: Path, price: float) -> dict[str, Any]:
     out.update(honest_windows(phases, src))
     out["guide_answers"] = (phases.get("gputests") or {}).get("guide_answers")
     out["gpu_tests"] = gpu_tests(src)
+    # What a person wrote about the run (notes.json beside results.json): caveats, outcomes read from a log
+    # whose JUnit file was never written; kept under their own keys, never over a measured value.
+    try:
+        written = json.loads((src / "notes.json").read_text())
+    except (OSError, ValueError):
+        written = {}
+    for key, value in written.items():
+        if out.get(key) is None:
+            out[key] = value
 
     out["gpu_after_phase"] = {
         k: {
