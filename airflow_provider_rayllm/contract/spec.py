@@ -75,6 +75,8 @@ def arg(
 
 
 HIDDEN = arg(hidden=True)
+# Seconds a Serve deployment may take over one request before it is that row's error.
+SERVE_REQUEST_TIMEOUT_S = 600.0
 
 
 def uri_scheme(uri: str) -> str:
@@ -626,10 +628,11 @@ class ServeProcessorSpec(_Strict):
         1, ge=1, description="Ray Data actors holding a handle to the deployment.", json_schema_extra=HIDDEN
     )
     batch_size: int = Field(16, ge=1, description="Rows handed to an actor at a time.", json_schema_extra=HIDDEN)
-    request_timeout_s: float | None = Field(
-        None,
+    request_timeout_s: float = Field(
+        SERVE_REQUEST_TIMEOUT_S,
         gt=0,
-        description="With serve_deployment: a request slower than this becomes an error row.",
+        description="With serve_deployment: a request slower than this (seconds) becomes an error row, so a "
+        "deployment that never answers cannot hold the job.",
         json_schema_extra=arg("serve_request_timeout_s"),
     )
 

@@ -111,7 +111,7 @@ class VLLMBatchOperator(BatchOperator):
         serve_deployment: str | None = None,
         serve_app: str = "default",
         serve_method: Literal["chat", "completions", "embeddings"] = "chat",
-        serve_request_timeout_s: float | None = None,
+        serve_request_timeout_s: float = 600.0,
         output_uri: str | None = None,
         output_format: SinkFormat = "parquet",
         output_rows_per_file: int | None = None,

@@ -416,6 +416,8 @@ def test_a_serve_deployment_replaces_the_engine_section(tmp_path):
         {"ti": Ti()}, tmp_path
     )
     assert embed.serve.endpoint == "embeddings" and embed.task_type == "embed"
+    # Not given: a deadline all the same (a deployment that never answers ends as error rows, not a hung job).
+    assert 0 < embed.serve.request_timeout_s < float("inf")
 
 
 @pytest.mark.parametrize(
