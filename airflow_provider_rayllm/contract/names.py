@@ -18,6 +18,8 @@ GENERATIONS_DIR = "_generations"  # attempts in flight, one folder each
 SPEC_FILE = "spec.json"
 # What the operator submits: the job half's command, run in the folder that holds SPEC_FILE.
 ENTRYPOINT = f"python -m airflow_provider_rayllm.job {SPEC_FILE}"
+# The job ``on_kill`` submits after a stop (the stopped job's submission id follows).
+SWEEP_ENTRYPOINT = "python -m airflow_provider_rayllm.job --sweep-after"
 SECRETS_FILE = "secrets.json"
 # Beside it: which submission the package belongs to (no secret), so a later job can tell a leftover.
 JOB_FILE = "rayllm-job.json"

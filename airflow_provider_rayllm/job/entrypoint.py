@@ -10,13 +10,18 @@ import signal
 import sys
 import time
 
-from airflow_provider_rayllm.contract.names import ERROR_LOG_PREFIX, REFUSED_LOG_LINE
+from airflow_provider_rayllm.contract.names import ERROR_LOG_PREFIX, REFUSED_LOG_LINE, SWEEP_ENTRYPOINT
 from airflow_provider_rayllm.contract.spec import SpecError, UploadJobSpec, parse_spec
 from airflow_provider_rayllm.job import secrets
 from airflow_provider_rayllm.job.errors import JobError, JobRefused
 from airflow_provider_rayllm.job.publish import manifest
 
 log = logging.getLogger("airflow_provider_rayllm.job")
+
+# ``python -m airflow_provider_rayllm.job --sweep-after ID``: see ``sweep_after``.
+SWEEP_FLAG = SWEEP_ENTRYPOINT.rsplit(" ", 1)[-1]
+SWEEP_LOG_PREFIX = "RAYLLM_SWEPT "
+SWEEP_WAIT_S = 90.0
 
 
 def _submission_id() -> str:
@@ -35,8 +40,13 @@ def main(argv: list[str]) -> int:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
+    if len(argv) == 2 and argv[0] == SWEEP_FLAG:
+        return sweep_after(argv[1])
     if len(argv) != 1:
-        print(f"{ERROR_LOG_PREFIX}usage: python -m airflow_provider_rayllm.job SPEC_FILE", flush=True)
+        print(
+            f"{ERROR_LOG_PREFIX}usage: python -m airflow_provider_rayllm.job SPEC_FILE | {SWEEP_FLAG} SUBMISSION_ID",
+            flush=True,
+        )
         return 2
     spec_path = os.path.abspath(argv[0])
     package_dir = os.path.dirname(spec_path)
@@ -80,6 +90,26 @@ def main(argv: list[str]) -> int:
         _wait_for_sweep()
         _cleanup(loaded, package_dir)
     print(manifest.log_line(body), flush=True)
+    return 0
+
+
+def sweep_after(submission_id: str, wait_s: float = SWEEP_WAIT_S) -> int:
+    """The job the operator submits from ``on_kill``: once the stopped job has ended (a stopped driver takes up
+    to ``RAY_JOB_STOP_WAIT_TIME_S`` for its own cleanup; one stopped while PENDING never ran any), remove what
+    ended jobs of ours left on the cluster: their packages in the store (holding ``secrets.json``) and the
+    secrets files on every node. It carries no secret of its own."""
+    import ray
+
+    ray.init(log_to_driver=False)
+    deadline = time.monotonic() + wait_s
+    while secrets.job_is_active(submission_id) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    if secrets.job_is_active(submission_id):
+        print(f"{ERROR_LOG_PREFIX}job {submission_id} had not ended after {wait_s:.0f} s; nothing swept", flush=True)
+        return 1
+    removed = secrets.sweep_leftovers()
+    log.info("swept after %s: %d secrets file(s) and package(s) removed", submission_id, len(removed))
+    print(f"{SWEEP_LOG_PREFIX}{json.dumps({'after': submission_id, 'removed': len(removed)})}", flush=True)
     return 0
 
 

@@ -187,6 +187,11 @@ def _active(job: Any) -> bool:
     return str(job.status).rsplit(".", 1)[-1] in ("PENDING", "RUNNING")
 
 
+def job_is_active(submission_id: str) -> bool:
+    """Whether the cluster's job of this submission id is still PENDING or RUNNING (an unknown id is not)."""
+    return any(str(j.submission_id) == submission_id and _active(j) for j in _jobs())
+
+
 def sweep_leftovers(timeout_s: float = 15.0) -> list[str]:
     """What ended jobs of this package left on the cluster when their driver was killed before its cleanup: the
     secrets files on every node, and their packages in the cluster's store (each ended job of ours names its

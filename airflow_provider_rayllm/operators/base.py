@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import tempfile
 import time
 from functools import cached_property
@@ -32,6 +33,7 @@ from airflow_provider_rayllm.contract.names import (
     SECRETS_FILE,
     SETUP_HOOK,
     SPEC_FILE,
+    SWEEP_ENTRYPOINT,
 )
 from airflow_provider_rayllm.contract.progress import describe_progress, parse_progress
 from airflow_provider_rayllm.contract.secrets import redact, secret_env_vars
@@ -405,9 +407,9 @@ class RayJobOperator(BaseOperator):
             env.update(credentials.hf_env(self.hf_conn_id))
         return env
 
-    def _runtime_env(self, package_dir: Path) -> dict[str, Any]:
+    def _runtime_env(self, package_dir: Path, quiet: bool = False) -> dict[str, Any]:
         kept, moved = secret_env_vars(self.job_runtime_env)
-        if moved:
+        if moved and not quiet:
             self.log.warning(
                 "job_runtime_env.env_vars %s look secret: they go to the job's secrets file, not to the runtime_env "
                 "that the Jobs API shows (a connection keeps them out of the DAG file too)",
@@ -652,3 +654,23 @@ class RayJobOperator(BaseOperator):
                 self.hook.stop_job(self._submission_id)
             except Exception as exc:
                 self.log.error("could not stop Ray job %s: %s", self._submission_id, exc)
+            self._submit_sweep(self._submission_id)
+
+    def _submit_sweep(self, stopped_id: str) -> None:
+        """A small job, with no secret of its own, that waits for the stopped job to end and then removes what
+        ended jobs of ours left on the cluster (``secrets.json`` on the nodes, packages in the store): a job
+        stopped while PENDING never ran the driver whose cleanup would have done it. It is not waited for."""
+        sweep_id = f"{stopped_id}-sweep"
+        try:
+            with tempfile.TemporaryDirectory(prefix="rayllm-sweep-") as tmp:
+                (Path(tmp) / JOB_FILE).write_text(json.dumps({"submission_id": sweep_id}))
+                self.hook.submit_job(
+                    entrypoint=f"{SWEEP_ENTRYPOINT} {shlex.quote(stopped_id)}",
+                    submission_id=sweep_id,
+                    runtime_env=self._runtime_env(Path(tmp), quiet=True),
+                    metadata={"rayllm_sweep_after": stopped_id},
+                    entrypoint_num_cpus=0,
+                )
+            self.log.info("Submitted Ray job %s to sweep what %s leaves on the cluster", sweep_id, stopped_id)
+        except Exception as exc:  # the next job's own sweep is the fallback; said, not hidden
+            self.log.warning("could not submit the sweep job after stopping %s: %s", stopped_id, redact(str(exc)))
