@@ -15,13 +15,22 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import uuid
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import StandInTI, echo_connection, echo_operator, run_in_thread, wait_for, write_jsonl
+from tests.integration.helpers import (
+    StandInTI,
+    echo_connection,
+    echo_operator,
+    record_figure,
+    run_in_thread,
+    wait_for,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -112,8 +121,10 @@ def _check_nothing_left(info, hook, ti, op_logs: str, case: str) -> dict:
     assert _in_bytes(hook.get_job_logs(sid).encode()) == [], "the job log"
     assert _in_bytes(json.dumps(ti.xcom, default=str).encode()) == [], "the task's XCom"
     assert _in_bytes(op_logs.encode()) == [], "the task log"
-    assert _files_holding_canaries(info) == [], "files on the cluster's nodes"
+    files = _files_holding_canaries(info)
     store = _store_holding_canaries(info)
+    record_figure(f"secrets: job {case}", secrets_left=len(files) + len(store["found"]))
+    assert files == [], "files on the cluster's nodes"
     assert store["found"] == [], f"packages in the cluster's store after the {case} job"
     return store
 
@@ -234,5 +245,42 @@ def test_secrets_a_killed_driver_left_are_removed_by_the_next_job(ray_conn, endp
     )
     assert manifest["rows_out"] == len(rows)
     said = [line for line in hook.get_job_logs(next_ti.xcom["submission_id"]).splitlines() if "secrets" in line]
-    assert _files_holding_canaries(info) == [], f"left on the nodes after the next job: {left}; its log: {said}"
-    assert _store_holding_canaries(info)["found"] == [], "left in the store after the next job"
+    after = _files_holding_canaries(info)
+    in_store = _store_holding_canaries(info)["found"]
+    record_figure(
+        "secrets: driver SIGKILLed, then the next job",
+        left_by_the_kill=len(left),
+        secrets_left=len(after) + len(in_store),
+    )
+    assert after == [], f"left on the nodes after the next job: {left}; its log: {said}"
+    assert in_store == [], "left in the store after the next job"
+
+
+def test_a_job_stopped_while_pending_leaves_no_secret_once_on_kills_sweep_ran(ray_conn, endpoint, test_home):
+    """A job stopped before its driver started never runs the cleanup that would remove its package (which
+    holds the secrets) from the cluster's store. The operator's ``on_kill`` submits a sweep job after the stop;
+    when it has run, the store and the nodes hold no canary."""
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    info, hook = ray_conn["info"], RayJobHook()
+    rows = [{"id": i, "prompt": f"pending row {i}"} for i in range(4)]
+    ti = StandInTI("secrets", "manual__pending", "pending")
+    # A resource no node has: the job waits in PENDING for as long as it is let.
+    input_uri = write_jsonl(test_home / "inputs" / "secrets-pending.jsonl", rows)
+    op = _op("pending", input_uri, test_home, entrypoint_resources={"rayllm_no_such_node": 1.0})
+    thread, outcome = run_in_thread(op, ti)
+    wait_for(lambda: "submission_id" in ti.xcom, 60, "the job to be submitted")
+    sid = ti.xcom["submission_id"]
+    assert hook.get_job_status(sid) == "PENDING"
+    assert _store_holding_canaries(info)["found"], "the pending job's package, with its secrets, is in the store"
+    killed_at = time.monotonic()
+    op.on_kill()
+    thread.join(timeout=120)
+    assert "ended STOPPED" in str(outcome.get("error")), outcome
+    wait_for(lambda: hook.get_job_status(f"{sid}-sweep") in ("SUCCEEDED", "FAILED"), 180, "the sweep job to end")
+    assert hook.get_job_status(f"{sid}-sweep") == "SUCCEEDED", hook.get_job_logs(f"{sid}-sweep")
+    swept_after = time.monotonic() - killed_at
+    assert "RAYLLM_SWEPT" in hook.get_job_logs(f"{sid}-sweep")
+    left = _store_holding_canaries(info)["found"] + _files_holding_canaries(info)
+    assert left == [], "the stopped job's package or secrets file is left on the cluster"
+    record_figure("secrets: stopped while pending", seconds_to_swept=round(swept_after, 1), secrets_left=len(left))
