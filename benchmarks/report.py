@@ -632,6 +632,42 @@ def startup_section() -> str:
     )
 
 
+def incremental_section() -> str:
+    """Incremental runs against full runs (benchmarks/incremental_bench.py), from its newest run."""
+    found = _part_files("incremental")
+    head = "## Incremental runs: a table that changed by a few percent (HttpLLMBatchOperator)\n\n"
+    if not found:
+        return head + _missing("incremental")
+    r = json.loads(found[-1].read_text())
+    if "full" not in r or "incremental" not in r:
+        return head + _missing("incremental")
+
+    def cell(side: str, key: str, digits: int = 1) -> str:
+        v = r[side][key]
+        return f"{v['median']:,.{digits}f} ({v['min']:,.{digits}f}-{v['max']:,.{digits}f})"
+
+    rows = [
+        ("rows computed (sent to the endpoint)", "rows_computed", 0),
+        ("rows reused from the base run", "rows_reused", 0),
+        ("base rows dropped (ids gone from the table)", "rows_dropped", 0),
+        ("tokens spent (in + out)", "tokens", 0),
+        ("**wall time, task start to manifest (s)**", "seconds", 1),
+    ]
+    table = "| | full run | incremental run |\n|---|---|---|\n" + "".join(
+        f"| {label} | {cell('full', key, d)} | {cell('incremental', key, d)} |\n" for label, key, d in rows
+    )
+    speedup = r["speedup"]
+    return (
+        head + f"{r['rounds']} interleaved round(s) of {r['date']} (`{r['command']}`): {r['description']} "
+        f"Medians (min-max).\n\n" + table + f"\n**The incremental run took {speedup['median']:.1f}x less time** "
+        f"(per round: {', '.join(f'{x:.1f}' for x in speedup['samples'])}) and computed "
+        f"{r['incremental']['rows_computed']['median']:,.0f} rows instead of {r['full']['rows_computed']['median']:,.0f}. "
+        "Its remaining time is the job's fixed cost (submission, driver, reading the whole table to key every "
+        "row) and the adoption of the base's files (each read, filtered and written again without its stale "
+        "rows).\n"
+    )
+
+
 def load_section(load: dict | None) -> str:
     if load is None:
         return "## Load: deferred operators at once\n\n" + _missing("load")
@@ -688,6 +724,7 @@ numbers: `{out.relative_to(REPO)}` (merged) and the `<date>-<part>.json` files b
 
 {engine_section(engine)}
 {startup_section()}
+{incremental_section()}
 {http_section(http)}
 {scale_section(scale)}
 {load_section(load)}

@@ -137,6 +137,7 @@ GROUPS = {
     "http": "Engine: the guide's HTTP processor (an OpenAI-compatible endpoint)",
     "upload": "Model",
     "sink": "Output",
+    "incremental": "Incremental runs: reuse the last published run's answers",
     "limits": "Limits",
 }
 # Arguments the Airflow half keeps for itself, by the group they belong to.

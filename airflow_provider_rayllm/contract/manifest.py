@@ -79,3 +79,8 @@ class Manifest(BaseModel):
     canary: dict[str, Any] | None = Field(
         None, description="With canary_rows: the canary's rows, figures and verdict (its rows are in the output)."
     )
+    incremental: dict[str, Any] | None = Field(
+        None,
+        description="With incremental: {base (the base run's manifest URI, None when there was none), key (the "
+        "id column, or '(whole row)'), rows_reused, rows_computed, rows_dropped (base rows whose id left the input)}.",
+    )

@@ -187,6 +187,26 @@ def _files(files: Sequence[Mapping[str, Any]]) -> str:
     return f'<table><tr><th>file</th><th class="n">rows</th><th class="n">bytes</th></tr>{rows}</table>'
 
 
+def _incremental(manifest: Mapping[str, Any]) -> str:
+    """An incremental run's rows reused from its base, computed and dropped, and the base it read."""
+    inc = manifest.get("incremental")
+    if not inc:
+        return ""
+    figures = "".join(
+        (
+            _figure(number(inc.get("rows_reused")), "rows reused", "rows-reused"),
+            _figure(number(inc.get("rows_computed")), "rows computed", "rows-computed"),
+            _figure(number(inc.get("rows_dropped")), "rows dropped"),
+        )
+    )
+    base = inc.get("base")
+    said = f"<code>{esc(base)}</code>" if base else "none found: every row was computed"
+    return (
+        f'<h2>Incremental</h2><div class="figs">{figures}</div>'
+        f'<p class="sub">Base run: {said}; rows keyed by <code>{esc(inc.get("key"))}</code> and their request.</p>'
+    )
+
+
 def render(manifest: Mapping[str, Any]) -> str:
     """The report page for a manifest's body (as published in ``_manifest.json`` or returned to XCom)."""
     run = manifest.get("run") or {}
@@ -219,6 +239,7 @@ def render(manifest: Mapping[str, Any]) -> str:
 <code>{esc(manifest.get("model"))}</code>; {esc(manifest.get("started_at"))} to {esc(manifest.get("finished_at"))};
 Ray submission <code>{esc(manifest.get("submission_id"))}</code></p>
 <div class="figs">{figures}</div>
+{_incremental(manifest)}
 <h2>Rows over time</h2>{_rows_chart(manifest)}
 <h2>Where the seconds went</h2>{_phases_chart(manifest)}
 <p class="sub">Seconds from the job's driver start (connected to Ray) to its manifest; the engine starts while the

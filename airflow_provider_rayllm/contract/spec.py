@@ -748,6 +748,38 @@ class LimitsSpec(_Strict):
     )
 
 
+class IncrementalSpec(_Strict):
+    """Reuse the answers of the task's last published run for the rows whose request is unchanged."""
+
+    enabled: bool = Field(
+        False,
+        description="Send only new and changed rows to the engine: a row whose id (id_column; without one, the "
+        "whole row) and request key (rendered prompt or messages, model, sampling, preprocess/postprocess code) "
+        "match a row of the base run's output keeps that answer. The base is incremental_from, else the "
+        "output prefix this task's latest earlier successful run pushed (XCom outputs_folder), else the "
+        "output prefix's own published run; none found means a full run. The manifest's `incremental` "
+        "section counts the rows reused, computed and dropped.",
+        json_schema_extra=arg("incremental"),
+    )
+    base: str | None = Field(
+        None,
+        description="With incremental: the run to reuse answers from, as its output prefix or its "
+        "_manifest.json URI (e.g. 's3://b/reviews/{{ prev_ds }}'); a prefix with no manifest means a full run.",
+        json_schema_extra=arg("incremental_from", templated=True),
+    )
+
+    @field_validator("base")
+    @classmethod
+    def _base(cls, value: str | None) -> str | None:
+        return None if value is None else _check_uri("incremental_from", value).rstrip("/")
+
+    @model_validator(mode="after")
+    def _needs_enabled(self) -> IncrementalSpec:
+        if self.base is not None and not self.enabled:
+            raise ValueError(f"incremental_from {self.base!r} needs incremental=True")
+        return self
+
+
 class RunSpec(_Strict):
     """Who asked for the job; recorded in the manifest, never used to read data."""
 
@@ -769,6 +801,9 @@ class JobSpec(_Strict):
     serve: ServeProcessorSpec | None = Field(None, description="Serve deployment settings (kind 'serve').")
     sink: SinkSpec
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    incremental: IncrementalSpec | None = Field(
+        None, description="Reuse the base run's answers for unchanged rows (None: every row is computed)."
+    )
     run: RunSpec = Field(default_factory=RunSpec)
 
     @model_validator(mode="before")
@@ -864,9 +899,20 @@ class JobSpec(_Strict):
     def output_uri(self) -> str:
         return self.sink.uri
 
+    @property
+    def is_incremental(self) -> bool:
+        return self.incremental is not None and self.incremental.enabled
+
+    @property
+    def gated(self) -> bool:
+        """Whether one actor sees every row's id and key: with id_column (uniqueness, resume) or incremental."""
+        return self.prompt.id_column is not None or self.is_incremental
+
     def content_hash(self) -> str:
-        """Hash of what the job computes; the run section is excluded."""
-        body = self.model_dump(mode="json", exclude={"run"})
+        """Hash of what the job computes; the run section is excluded (and incremental when unset, so the
+        hash of a spec that never used it is what it was before the section existed)."""
+        exclude = {"run"} if self.incremental is not None else {"run", "incremental"}
+        body = self.model_dump(mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
     def to_json(self) -> str:

@@ -17,6 +17,7 @@ import re
 import sys
 import threading
 import time
+from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, Iterator
 
@@ -92,9 +93,10 @@ def plan(
         lora=engine.lora(),
         saved_files=saved,
         identity=request_identity(spec),
+        gated=spec.gated,
     )
-    if spec.prompt.id_column:
-        # One actor sees every id: the uniqueness check and the resume skip need one place.
+    if spec.gated:
+        # One actor sees every id: the uniqueness check and the resume and incremental skips need one place.
         import ray.data
 
         ds = ds.map_batches(
@@ -133,7 +135,7 @@ def check_free_cpus(engine: Engine, spec: JobSpec) -> None:
     import ray
 
     total = float(ray.cluster_resources().get("CPU", 0))
-    held = engine.reserved_cpus() + (ID_GATE["num_cpus"] if spec.prompt.id_column else 0)
+    held = engine.reserved_cpus() + (ID_GATE["num_cpus"] if spec.gated else 0)
     needed = REPARTITION_CPUS + LIGHT["num_cpus"]
     if total - held < needed - 1e-6:  # shares are tenths: 2 - 0.8 is 1.1999999999999997
         raise JobError(
@@ -282,7 +284,18 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     saved = publisher.find_saved()
     for repaired in publisher.repair_table():
         log_info("output table: %s", repaired)
-    log_info("writing generation %s (%d saved file(s) of earlier attempts to resume from)", publisher.uri, len(saved))
+    base = publisher.base
+    if base is not None and base.warning:
+        log.warning("%s", base.warning)
+    elif base is not None:
+        log_info("%s", base.note)
+    from_base = len(base.files) if base is not None else 0
+    log_info(
+        "writing generation %s (%d saved file(s) of earlier attempts to resume from, %d of the incremental base)",
+        publisher.uri,
+        len(saved) - from_base,
+        from_base,
+    )
 
     # 3. The stream, once (with a canary: the canary's rows first, judged, then the others).
     rows_spec = with_image_folders(spec, source.folders)
@@ -320,7 +333,7 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
         timeline = progress.timeline(counted, started)
         timeline["stream_done_s"] = round(stream_done - started, 3)
         series = progress.series(started)
-        reused = progress.reused_pairs() if saved else set()
+        reused = progress.reused_pairs() if saved else Counter()
     written = totals(results)
     for example in written["error_examples"]:
         log_info("error row: %s", example)
@@ -329,7 +342,8 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
     publisher.adopt_saved(reused)
     if publisher.stale_rows:
         log_info(
-            "resume: %d saved row(s) of earlier attempts dropped, as their request changed or their id left the input",
+            "saved row(s) of earlier attempts or the incremental base left out, as their request changed or their "
+            "id left the input: %d",
             publisher.stale_rows,
         )
     rows_in = publisher.check(counted, written)
@@ -355,8 +369,18 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
             versions={"ray": ray.__version__, **engine.versions()},
             table_rows=table_rows or 0,
             canary=tried.body if tried is not None else None,
+            counted=counted,
         ),
     )
+    if body.get("incremental"):
+        inc = body["incremental"]
+        log_info(
+            "incremental: %d rows reused, %d computed, %d dropped (base %s)",
+            inc["rows_reused"],
+            inc["rows_computed"],
+            inc["rows_dropped"],
+            inc["base"],
+        )
     removed = publisher.remove_older()
     log_info(
         "published %s: %d rows in, %d out (%d resumed), %d error rows, tokens in/out %d/%d, %.1f s; older generations removed: %d",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from typing import Any, Callable
 
 from airflow_provider_rayllm.contract.progress import Progress
@@ -38,6 +39,8 @@ class StreamCounts:
         self.tokens_in: dict[str, int] = {}
         self.writes: dict[str, int] = {}
         self.saved_rows = 0
+        # Saved rows (by id) no input row claimed so far: the incremental base's rows dropped from the input.
+        self.unmatched_rows = 0
         # (id, request key) of the rows skipped as saved, by the batch that skipped them.
         self.reused: dict[str, list[Any]] = {}
         self.first_answer_at: float | None = None
@@ -51,6 +54,9 @@ class StreamCounts:
 
     def saved(self, rows: int) -> None:
         self.saved_rows = rows
+
+    def unmatched(self, rows: int) -> None:
+        self.unmatched_rows = rows
 
     def reuse(self, key: str, pairs: list[Any]) -> None:
         if pairs:
@@ -89,6 +95,7 @@ class StreamCounts:
             "rows_read": sum(r for r, _ in self.reads.values()),
             "rows_skipped": sum(s for _, s in self.reads.values()),
             "rows_saved": self.saved_rows,
+            "rows_unmatched": self.unmatched_rows,
             "rows_answered": sum(a[0] for a in self.answers.values()),
             "rows_errored": sum(a[1] for a in self.answers.values()),
             "tokens_out": sum(a[2] for a in self.answers.values()),
@@ -216,11 +223,11 @@ class ProgressLog:
 
         return ray.get(self.counts.totals.remote(), timeout=60)
 
-    def reused_pairs(self) -> set[Any]:
-        """The (id, request key) pairs the request step skipped as saved."""
+    def reused_pairs(self) -> Counter[Any]:
+        """The (id, request key) pairs the request step skipped as saved, each with the rows it skipped."""
         import ray
 
-        return {tuple(pair) for pair in ray.get(self.counts.reused_pairs.remote(), timeout=600)}
+        return Counter(tuple(pair) for pair in ray.get(self.counts.reused_pairs.remote(), timeout=600))
 
     def _report(self, final: bool = False) -> None:
         totals = self.totals()

@@ -23,12 +23,12 @@ class Shaped:
 class Shaper:
     """An answered row -> the output row: ``{kept input columns, output_column, token counts, request key}``,
     or what the user's ``postprocess`` returns given the engine's view of the row: exactly that, as in the
-    guide, but for the request key with ``id_column`` (resume matches saved rows by it)."""
+    guide, but for the request key with ``id_column`` or incremental (saved rows are matched by it)."""
 
     def __init__(self, spec: JobSpec, package_dir: str):
         self.output_column = spec.prompt.output_column
         self.postprocess_ref = spec.prompt.postprocess
-        self.resumable = spec.prompt.id_column is not None
+        self.resumable = spec.gated
         self.package_dir = package_dir
         self._postprocess: Callable[[dict], Any] | None = None
 

@@ -195,6 +195,7 @@ SOURCE = (
 PROMPT = from_model(spec.PromptSpec, "prompt")
 SINK = from_model(spec.SinkSpec, "sink") + from_model(TableSettings, None)
 LIMITS = from_model(spec.LimitsSpec, "limits")
+INCREMENTAL = from_model(spec.IncrementalSpec, "incremental")
 VLLM = (
     from_model(spec.VLLMProcessorSpec, "processor", rename_attr={"task_type": "engine_task_type"})
     + from_model(GuideFlags, None)
@@ -212,7 +213,7 @@ def operator_arguments(kind: Literal["vllm", "http", "upload"]) -> tuple[Argumen
         return UPLOAD + JOB
     prompt = PROMPT if kind == "vllm" else tuple(a for a in PROMPT if a.name not in ENGINE_ONLY_PROMPT)
     engine = VLLM if kind == "vllm" else HTTP
-    args = SOURCE + prompt + engine + SINK + LIMITS + JOB
+    args = SOURCE + prompt + engine + SINK + INCREMENTAL + LIMITS + JOB
     names = [a.name for a in args]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     assert not duplicated, f"arguments declared twice: {duplicated}"

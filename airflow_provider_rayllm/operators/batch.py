@@ -88,6 +88,21 @@ def callable_ref(fn: Callable | str | None, name: str, package_dir: Path) -> dic
     return {"pickled": file_name, "digest": hashlib.sha256(source.encode()).hexdigest()[:16]}
 
 
+# What a finished batch task pushes: where its published output is (an incremental run's base, next time).
+OUTPUTS_FOLDER_XCOM = "outputs_folder"
+
+
+def incremental_base(given: str | None, pushed: Any, output_uri: str) -> tuple[str | None, str]:
+    """(the base the job reads, None for the output prefix's own published run; where it came from): the
+    task's ``incremental_from``, else the output prefix its latest earlier successful run pushed, else this
+    run's own output prefix (the job reads its published manifest, if any)."""
+    if given:
+        return str(given), "incremental_from"
+    if isinstance(pushed, str) and pushed and pushed.rstrip("/") != output_uri.rstrip("/"):
+        return pushed, "the output of this task's latest earlier successful run (XCom outputs_folder)"
+    return None, "the run published at this task's own output_uri, if any"
+
+
 class BatchOperator(RayJobOperator):
     """Rows in, one engine's answers out: the arguments and steps both batch operators share."""
 
@@ -163,7 +178,27 @@ class BatchOperator(RayJobOperator):
             **engine,
             "sink": self.sink_body(output_uri, self._run_spec(context)),
             "limits": self.limits_body(package_dir),
+            "incremental": self.incremental_body(context, output_uri),
         }
+
+    def incremental_body(self, context: Context, output_uri: str) -> dict[str, Any] | None:
+        """With incremental: the base run, as ``incremental_base`` chooses it from the task's previous run."""
+        if not self.incremental and self.incremental_from is None:
+            return None
+        pushed = None
+        if self.incremental and not self.incremental_from:
+            ti = context["ti"]
+            # The latest earlier run of this task (and map index) that succeeded: only a success pushes it.
+            pushed = ti.xcom_pull(
+                task_ids=ti.task_id,
+                key=OUTPUTS_FOLDER_XCOM,
+                include_prior_dates=True,
+                map_indexes=getattr(ti, "map_index", -1),
+            )
+        base, source = incremental_base(self.incremental_from, pushed, output_uri)
+        if self.incremental:
+            self.log.info("Incremental: base %s (%s)", base or output_uri, source)
+        return {"enabled": bool(self.incremental), "base": base}
 
     def limits_body(self, package_dir: Path) -> dict[str, Any]:
         """The limits; a quality gate given as a model becomes its fields, and its check, when a Python
@@ -195,7 +230,7 @@ class BatchOperator(RayJobOperator):
 
     def publish(self, context: Context, manifest: dict[str, Any]) -> None:
         """Push where the output files are, annotate the outlets, and say what the job did."""
-        context["ti"].xcom_push(key="outputs_folder", value=manifest["outputs_folder"])
+        context["ti"].xcom_push(key=OUTPUTS_FOLDER_XCOM, value=manifest["outputs_folder"])
         try:
             secrets = self.secrets()
         except Exception:  # a link is a courtesy
@@ -218,6 +253,15 @@ class BatchOperator(RayJobOperator):
         context["ti"].xcom_push(key=REPORT_URL_XCOM, value=report_url)
         self._annotate_outlets(context, manifest)
         cost = manifest.get("estimated_cost")
+        inc = manifest.get("incremental")
+        if inc:
+            self.log.info(
+                "Incremental: %d rows reused, %d computed, %d dropped; base %s",
+                inc["rows_reused"],
+                inc["rows_computed"],
+                inc["rows_dropped"],
+                inc["base"] or "none (every row computed)",
+            )
         self.log.info(
             "Finished: %d rows in, %d out (%d resumed), %d error rows; tokens in/out %d/%d; %.0f s%s; outputs in %s",
             manifest["rows_in"],

@@ -111,6 +111,8 @@ class HttpLLMBatchOperator(BatchOperator):
         output_rows_per_file: int | None = None,
         output_table: str | None = None,
         output_table_conn_id: str | None = None,
+        incremental: bool = False,
+        incremental_from: str | None = None,
         max_error_fraction: float = 0.1,
         max_rows: int | str | None = None,
         object_store_window_mb: int | str | None = None,

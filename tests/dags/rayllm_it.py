@@ -121,3 +121,29 @@ with DAG(
         poll_interval=1.0,
         unreachable_timeout=120,
     )
+
+
+# A daily job over a table that changes a little: only new and changed rows reach the `llm_incr` endpoint; the
+# base is the output this task pushed in its latest earlier successful run.
+with DAG(
+    dag_id="rayllm_it_incremental",
+    start_date=datetime(2026, 1, 1),
+    schedule=None,
+    params={**PARAMS, "template": Param("Review: {text}", type="string")},
+    render_template_as_native_obj=True,
+) as rayllm_it_incremental:
+    HttpLLMBatchOperator(
+        task_id="label",
+        http_conn_id="llm_incr",
+        model="echo",
+        input_uri="{{ params.input_uri }}",
+        output_uri="{{ params.output_uri }}",
+        prompt_template="{{ params.template }}",
+        id_column="id",
+        incremental=True,
+        sampling_params={"max_tokens": 8},
+        batch_size=8,
+        max_in_flight=8,
+        deferrable=False,
+        poll_interval=0.5,
+    )

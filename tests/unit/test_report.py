@@ -112,6 +112,20 @@ def test_the_page_shows_the_runs_rows_its_chart_and_its_seconds():
         assert reason in page.text_by_id["errors"] and str(count) in page.text_by_id["errors"]
 
 
+def test_an_incremental_run_shows_its_rows_reused_and_computed():
+    inc = {
+        "base": "/data/day1/_manifest.json",
+        "key": "id",
+        "rows_reused": 98000,
+        "rows_computed": 2000,
+        "rows_dropped": 7,
+    }
+    page = Page(report.render(manifest(incremental=inc)))
+    assert (page.text_by_id["rows-reused"], page.text_by_id["rows-computed"]) == ("98,000", "2,000")
+    assert inc["base"] in "".join(page.text)
+    assert "rows-reused" not in report.render(manifest()), "a run without incremental has no such section"
+
+
 def test_cost_is_shown_when_priced_and_said_not_priced_otherwise():
     priced = Page(report.render(manifest(estimated_cost=0.123456, cost_per_million_output_tokens=257.2)))
     assert "0.1235" in "".join(priced.text) and "not priced" not in "".join(priced.text)

@@ -36,6 +36,7 @@ def build(
     table_rows: int = 0,
     rows_over_time: list[dict[str, float]] | None = None,
     canary: dict[str, Any] | None = None,
+    incremental: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     table = spec.sink.table
     body = {
@@ -74,6 +75,7 @@ def build(
             {"table": table.table, "run_key": table.run_key, "rows": table_rows} if table is not None else None
         ),
         "canary": canary,
+        "incremental": incremental,
     }
     return Manifest.model_validate(body).model_dump(mode="json")
 

@@ -41,12 +41,12 @@ from contextlib import nullcontext
 from typing import Any, Callable, ContextManager
 
 from airflow_provider_rayllm.contract import report
-from airflow_provider_rayllm.contract.names import ERRORS_DIR, REPORT_NAME, SUCCESS_MARKER
+from airflow_provider_rayllm.contract.names import ERRORS_DIR, REPORT_NAME, REQUEST_KEY_COLUMN, SUCCESS_MARKER
 from airflow_provider_rayllm.contract.spec import JobSpec
 from airflow_provider_rayllm.job import filesystems
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.failpoints import failpoint
-from airflow_provider_rayllm.job.publish import generations, manifest, resume
+from airflow_provider_rayllm.job.publish import generations, incremental, manifest, resume
 from airflow_provider_rayllm.job.publish.lease import Lease
 from airflow_provider_rayllm.job.sinks.files import ERRORS, OUTPUTS
 
@@ -99,6 +99,7 @@ class Publisher:
         self.errors_folder = filesystems.join(self.uri, ERRORS)
         self.published_errors = filesystems.join(self.output_uri, ERRORS_DIR)
         self.saved: list[str] = []
+        self.base: incremental.Base | None = None
         self.adoption = resume.Adoption()
         self.published: dict[str, Any] | None = None
 
@@ -110,20 +111,24 @@ class Publisher:
         return cls(spec, generation, lease)
 
     def find_saved(self) -> list[str]:
-        """With an id column: the output files this run's earlier, unpublished attempts saved (resume)."""
+        """With an id column or incremental: the output files this run's earlier, unpublished attempts saved
+        (resume), then those of the incremental base (``incremental.find``)."""
         published = self.published = manifest.read(self.output_uri)
         self.saved = (
             resume.saved_files(self.output_uri, self.generation, (published or {}).get("generation"))
-            if self.spec.prompt.id_column
+            if self.spec.gated
             else []
         )
+        if self.spec.is_incremental:
+            self.base = incremental.find(self.spec, published)
+            self.saved += self.base.files
         return self.saved
 
-    def adopt_saved(self, reused: set[Any]) -> list[dict[str, Any]]:
+    def adopt_saved(self, reused: Any) -> list[dict[str, Any]]:
         """The saved rows the stream skipped (their (id, request key) pairs, ``reused``), adopted into this
         generation's outputs; the adopted files' entries for the manifest."""
-        if self.saved and self.spec.prompt.id_column:
-            self.adoption = resume.adopt(self.saved, self.uri, self.spec.prompt.id_column, reused)
+        if self.saved and self.spec.gated:
+            self.adoption = resume.adopt(self.saved, self.uri, self.spec.prompt.id_column or REQUEST_KEY_COLUMN, reused)
         return self.adoption.files
 
     @property
@@ -196,8 +201,10 @@ class Publisher:
         table_rows: int = 0,
         rows_over_time: list[dict[str, float]] | None = None,
         canary: dict[str, Any] | None = None,
+        counted: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The manifest's body for this generation."""
+        """The manifest's body for this generation (``counted``: the stream's counts, for the incremental
+        section)."""
         return manifest.build(
             spec=self.spec,
             submission_id=submission_id,
@@ -216,6 +223,9 @@ class Publisher:
             table_rows=table_rows,
             rows_over_time=rows_over_time or [],
             canary=canary,
+            incremental=incremental.section(self.base, self.spec, counted or {}, self.adopted_rows)
+            if self.base is not None
+            else None,
         )
 
     def publish(self, written: dict[str, Any], build: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:

@@ -9,12 +9,16 @@ new generation's outputs holding only the rows that were skipped (each pair once
 request changed, or its id left the input) is dropped, so the published output has every id once, with
 the current answer. Error rows are not kept: a retry tries them again. Adopted files carry the prefix
 ``ADOPTED`` and are never read as checkpoints themselves (their originals are, for as long as those exist).
+
+An incremental run adopts the base run's files the same way (see ``incremental``); without an id column the
+whole-row key is the id, and a pair may be wanted more than once (equal rows), so ``wanted`` is a multiset.
 """
 
 from __future__ import annotations
 
 import json
 import posixpath
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
@@ -49,9 +53,19 @@ class Adoption:
         return sum(f["rows"] for f in self.files)
 
 
-def _kept_lines(data: bytes, id_column: str, wanted: set[tuple[Hashable, Any]]) -> tuple[bytes, int, int]:
-    """A JSONL file's lines whose (id, key) is wanted (each pair once, taken from ``wanted``): (their bytes
-    as written, rows kept, rows in the file)."""
+Wanted = Counter[tuple[Hashable, Any]]
+
+
+def _take(wanted: Wanted, pair: tuple[Hashable, Any]) -> bool:
+    if wanted[pair] <= 0:
+        return False
+    wanted[pair] -= 1
+    return True
+
+
+def _kept_lines(data: bytes, id_column: str, wanted: Wanted) -> tuple[bytes, int, int]:
+    """A JSONL file's lines whose (id, key) is wanted (each as often as wanted, taken from ``wanted``): (their
+    bytes as written, rows kept, rows in the file)."""
     kept, total, rows = [], 0, 0
     for line in data.splitlines(keepends=True):
         if not line.strip():
@@ -59,15 +73,14 @@ def _kept_lines(data: bytes, id_column: str, wanted: set[tuple[Hashable, Any]]) 
         total += 1
         row = json.loads(line)
         pair = (row.get(id_column), row.get(REQUEST_KEY_COLUMN))
-        if pair in wanted:
-            wanted.discard(pair)
+        if _take(wanted, pair):
             kept.append(line if line.endswith(b"\n") else line + b"\n")
             rows += 1
     return b"".join(kept), rows, total
 
 
-def _kept_parquet(data: bytes, id_column: str, wanted: set[tuple[Hashable, Any]]) -> tuple[bytes, int, int]:
-    """A Parquet file's rows whose (id, key) is wanted (each pair once), as a Parquet file."""
+def _kept_parquet(data: bytes, id_column: str, wanted: Wanted) -> tuple[bytes, int, int]:
+    """A Parquet file's rows whose (id, key) is wanted (each as often as wanted), as a Parquet file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -78,10 +91,7 @@ def _kept_parquet(data: bytes, id_column: str, wanted: set[tuple[Hashable, Any]]
         if REQUEST_KEY_COLUMN in table.column_names
         else [None] * table.num_rows
     )
-    mask = []
-    for pair in zip(ids, keys):
-        mask.append(pair in wanted)
-        wanted.discard(pair)
+    mask = [_take(wanted, pair) for pair in zip(ids, keys)]
     rows = sum(mask)
     if rows == table.num_rows:
         return data, rows, rows
@@ -90,11 +100,13 @@ def _kept_parquet(data: bytes, id_column: str, wanted: set[tuple[Hashable, Any]]
     return buffer.getvalue().to_pybytes(), rows, table.num_rows
 
 
-def adopt(files: list[str], generation_uri: str, id_column: str, reused: set[tuple[Hashable, Any]]) -> Adoption:
+def adopt(
+    files: list[str], generation_uri: str, id_column: str, reused: Counter[tuple[Hashable, Any]] | set[Any]
+) -> Adoption:
     """The saved files into this generation's outputs, each holding only its rows whose (id, request key)
-    the stream skipped as saved (``reused``, each pair once): a file wholly reused is copied as it is, one
-    with stale rows is written again without them, one with none is left out."""
-    wanted = set(reused)
+    the stream skipped as saved (``reused``, each pair as often as it was skipped): a file wholly reused is
+    copied as it is, one with stale rows is written again without them, one with none is left out."""
+    wanted: Wanted = Counter(reused)
     adoption = Adoption()
     for i, uri in enumerate(files):
         fs, path = filesystems.filesystem_for(uri)

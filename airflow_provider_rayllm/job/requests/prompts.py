@@ -9,7 +9,7 @@ from airflow_provider_rayllm.contract.names import REQUEST_KEY_COLUMN
 from airflow_provider_rayllm.contract.spec import PromptSpec
 from airflow_provider_rayllm.job.requests.callables import load_callable
 from airflow_provider_rayllm.job.requests.images import guide_image_parts, image_data_url, image_url, is_image
-from airflow_provider_rayllm.job.requests.keys import request_key
+from airflow_provider_rayllm.job.requests.keys import request_key, whole_row_key
 from airflow_provider_rayllm.job.requests.lora import LoraRouting
 from airflow_provider_rayllm.job.requests.sampling import normalize_sampling_params
 from airflow_provider_rayllm.job.stream import KEPT_INPUT, PRE_ERROR, REQUEST, is_empty
@@ -127,7 +127,12 @@ class RequestBuilder:
             if self.lora is not None:
                 body["model"] = self.lora.model_for(row.get(self.prompt.lora_column or ""))
             body = _jsonable(body)
-            request, key = json.dumps(body), request_key(self.identity, body)
+            request = json.dumps(body)
+            key = (
+                whole_row_key(self.identity, body, kept)
+                if self.identity.get("whole_row")
+                else request_key(self.identity, body)
+            )
             error = ""
         except Exception as exc:  # one bad row must not stop the job
             request, key, error = "{}", None, f"prompt: {type(exc).__name__}: {exc}"

@@ -15,7 +15,7 @@ from airflow_provider_rayllm.job.stream import KEPT_INPUT, PRE_ERROR, REQUEST
 class RequestStage:
     """Ray Data stage: a batch of input rows -> their requests, counted into the job's ``StreamCounts`` as read.
 
-    With ``id_column`` it also refuses a duplicate or missing id (the uniqueness check, done as the rows
+    With ``id_column`` (or incremental, see ``ids.IdGate``) it also refuses a duplicate or missing id (the uniqueness check, done as the rows
     stream by) and drops the rows an earlier attempt of this run already answered for the same request
     (resume: the request is built first, as its key decides). Holding the ids needs one place that sees
     every row, so with ``id_column`` the stage runs as a single actor; the ids live there, never in the
@@ -32,14 +32,16 @@ class RequestStage:
         lora: LoraRouting | None = None,
         saved_files: list[str] | None = None,
         identity: dict[str, Any] | None = None,
+        gated: bool = False,
     ):
         self.builder = RequestBuilder(prompt, task_type, keep, package_dir, lora, identity)
         self.counts = counts
-        self.ids = IdGate(prompt.id_column, saved_files or []) if prompt.id_column else None
+        self.ids = IdGate(prompt.id_column, saved_files or []) if gated or prompt.id_column else None
         if self.ids is not None:
             import ray
 
             ray.get(counts.saved.remote(self.ids.saved_rows))
+            ray.get(counts.unmatched.remote(self.ids.unmatched))
         self.calls: dict[str, int] = {}
 
     def __call__(self, batch: Any) -> dict[str, list[Any]]:
@@ -56,6 +58,7 @@ class RequestStage:
             built, skipped = [built[i] for i in asked], len(reused)
             if reused:
                 ray.get(self.counts.reuse.remote(key, reused))
+            ray.get(self.counts.unmatched.remote(self.ids.unmatched))
         ray.get(self.counts.read.remote(key, len(rows), skipped))
         return {
             KEPT_INPUT: [b[KEPT_INPUT] for b in built],
