@@ -1,9 +1,15 @@
-"""Module names that moved between the Ray and vLLM versions we run on, resolved on first import.
+"""What the Ray and vLLM versions we run on need of us, applied lazily on first import.
 
 Ray 2.60's multimodal stage (the guide's ``has_image=True``) imports ``vllm.entrypoints.chat_utils``;
 vLLM 0.32 moved that module to ``vllm.renderers.chat_utils`` with the same ``parse_chat_messages_async``.
 Without the alias every image row fails with "No module named 'vllm.entrypoints.chat_utils'". The alias
 is lazy (nothing is imported until Ray asks for the old name) and only used when the old name is gone.
+
+Ray's engine stage runs vLLM's async engine, whose engine core is always a process of its own, and vLLM
+starts it with ``spawn`` inside a Ray actor (and on every CPU platform): the new process imports torch and
+vLLM again, about as long as the actor took to import them. For a one-worker CPU engine (no CUDA, no worker
+processes of its own, no Ray executor) the engine's settings set ``FORK_ENV``: the engine core is then
+forked from the actor, with everything the actor imported already loaded.
 """
 
 from __future__ import annotations
@@ -11,10 +17,60 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
+import multiprocessing
+import os
 import sys
 from typing import Any
 
 MOVED = {"vllm.entrypoints.chat_utils": "vllm.renderers.chat_utils"}
+# Set (to "1") in a one-worker CPU engine's runtime_env: its engine core is forked, not spawned.
+FORK_ENV = "RAYLLM_FORK_ENGINE_CORE"
+SYSTEM_UTILS = "vllm.utils.system_utils"
+
+
+def _forking(original: Any) -> Any:
+    """vLLM's ``get_mp_context``, answering ``fork`` where ``FORK_ENV`` asks for it and CUDA is not in use."""
+
+    def get_mp_context() -> Any:
+        context = original()
+        if os.environ.get(FORK_ENV) != "1" or "torch.cuda" in sys.modules and _cuda_initialized():
+            return context
+        return multiprocessing.get_context("fork")
+
+    return get_mp_context
+
+
+def _cuda_initialized() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_initialized())
+
+
+class _Patched(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Loads vLLM's ``system_utils`` as usual, then puts ``_forking`` around its ``get_mp_context`` before any
+    other vLLM module imports the name."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != SYSTEM_UTILS or os.environ.get(FORK_ENV) != "1":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        self._loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        if hasattr(module, "get_mp_context"):
+            module.get_mp_context = _forking(module.get_mp_context)
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -43,5 +99,6 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install() -> None:
-    if not any(isinstance(finder, _Alias) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _Alias())
+    for finder in (_Alias, _Patched):
+        if not any(isinstance(f, finder) for f in sys.meta_path):
+            sys.meta_path.insert(0, finder())

@@ -203,6 +203,17 @@ def test_a_one_worker_cpu_engine_runs_its_worker_in_the_engine_core_unless_the_u
     assert mine["env_vars"][vllm_pipeline.ONE_PROCESS_ENV] == "1"
 
 
+def test_only_a_one_worker_cpu_engine_has_its_engine_core_forked_from_the_actor():
+    from airflow_provider_rayllm.job.compat import FORK_ENV
+
+    assert vllm_pipeline.engine_runtime_env(spec(), "cpu", {})["env_vars"][FORK_ENV] == "1"
+    assert FORK_ENV not in (vllm_pipeline.engine_runtime_env(spec(), "gpu", {}) or {}).get("env_vars", {})
+    several = vllm_pipeline.engine_runtime_env(spec(), "cpu", {"tensor_parallel_size": 2})
+    assert FORK_ENV not in several["env_vars"]
+    said = vllm_pipeline.engine_runtime_env(spec(runtime_env={"env_vars": {FORK_ENV: "0"}}), "cpu", {})
+    assert said["env_vars"][FORK_ENV] == "0", "the user's own setting stands"
+
+
 def test_a_refusal_the_cluster_answers_comes_before_vllm_is_imported(tmp_path):
     """An accelerator type no node offers fails in the driver before it imports vLLM (seconds of torch
     and vLLM for nothing). A fresh interpreter, so that vLLM's absence from sys.modules means something."""

@@ -8,6 +8,7 @@ from typing import Any, Callable
 from airflow_provider_rayllm.contract.secrets import redact
 from airflow_provider_rayllm.contract.spec import JobSpec
 from airflow_provider_rayllm.job.budget import Prices
+from airflow_provider_rayllm.job.compat import FORK_ENV
 from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.engines.vllm.checks import (
     check_engine_kwargs,
@@ -86,6 +87,8 @@ class VLLMEngine(Engine):
         stages = self.stages()
         env = (engine_runtime_env(self.p, self.profile, self.engine_kwargs) or {}).get("env_vars") or {}
         layout = "; its worker runs in the engine core process" if env.get(ONE_PROCESS_ENV) == "0" else ""
+        if env.get(FORK_ENV) == "1":
+            layout += ", forked from the engine's Ray actor"
         return (
             f"vLLM engine for {self.p.model_source} ({self.p.task_type}), profile {self.profile} (cluster GPUs: {self.gpus:g}){layout}; "
             f"engine_kwargs {redact(self.engine_kwargs)}; placement {self.placement}; {self.p.concurrency} replica(s), "

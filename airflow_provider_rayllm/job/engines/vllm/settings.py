@@ -12,6 +12,7 @@ from typing import Any
 
 from airflow_provider_rayllm.contract.names import SECRET_MARKER
 from airflow_provider_rayllm.contract.spec import VLLMProcessorSpec
+from airflow_provider_rayllm.job.compat import FORK_ENV
 from airflow_provider_rayllm.job.engines.vllm.hardware import GpuCard, cpu_has_native_half
 from airflow_provider_rayllm.job.engines.vllm.model_config import model_max_len
 from airflow_provider_rayllm.job.errors import JobError
@@ -201,6 +202,8 @@ def engine_runtime_env(
         added["VLLM_CPU_SIM_MULTI_NUMA"] = "1"
     if profile == "cpu" and one_process_engine(engine_kwargs or {}) and ONE_PROCESS_ENV not in user_vars:
         added[ONE_PROCESS_ENV] = "0"
+        # The engine core forked from Ray's actor: no second import of torch and vLLM (see ``compat``).
+        added.setdefault(FORK_ENV, "1")
     if not added:
         return spec.runtime_env
     env = dict(spec.runtime_env or {})
