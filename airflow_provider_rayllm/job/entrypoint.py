@@ -22,6 +22,8 @@ log = logging.getLogger("airflow_provider_rayllm.job")
 SWEEP_FLAG = SWEEP_ENTRYPOINT.rsplit(" ", 1)[-1]
 SWEEP_LOG_PREFIX = "RAYLLM_SWEPT "
 SWEEP_WAIT_S = 90.0
+# A stopped job still PENDING after this long will not be stopped by the Jobs API (see secrets.end_pending).
+PENDING_GRACE_S = 5.0
 
 
 def _submission_id() -> str:
@@ -101,10 +103,16 @@ def sweep_after(submission_id: str, wait_s: float = SWEEP_WAIT_S) -> int:
     import ray
 
     ray.init(log_to_driver=False)
-    deadline = time.monotonic() + wait_s
-    while secrets.job_is_active(submission_id) and time.monotonic() < deadline:
+    started = time.monotonic()
+    status, ended_pending = secrets.job_status(submission_id), False
+    while status in ("PENDING", "RUNNING") and time.monotonic() - started < wait_s:
+        if status == "PENDING" and not ended_pending and time.monotonic() - started > PENDING_GRACE_S:
+            ended_pending = secrets.end_pending(submission_id)
+            if ended_pending:
+                log.info("job %s was still PENDING after its stop: its supervisor actor is killed", submission_id)
         time.sleep(1.0)
-    if secrets.job_is_active(submission_id):
+        status = secrets.job_status(submission_id)
+    if status in ("PENDING", "RUNNING"):
         print(f"{ERROR_LOG_PREFIX}job {submission_id} had not ended after {wait_s:.0f} s; nothing swept", flush=True)
         return 1
     removed = secrets.sweep_leftovers()

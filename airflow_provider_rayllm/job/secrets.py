@@ -187,9 +187,30 @@ def _active(job: Any) -> bool:
     return str(job.status).rsplit(".", 1)[-1] in ("PENDING", "RUNNING")
 
 
-def job_is_active(submission_id: str) -> bool:
-    """Whether the cluster's job of this submission id is still PENDING or RUNNING (an unknown id is not)."""
-    return any(str(j.submission_id) == submission_id and _active(j) for j in _jobs())
+def job_status(submission_id: str) -> str | None:
+    """The cluster's status of the job of this submission id (PENDING, RUNNING, STOPPED, ...), None if unknown."""
+    for job in _jobs():
+        if str(job.submission_id) == submission_id:
+            return str(job.status).rsplit(".", 1)[-1]
+    return None
+
+
+def end_pending(submission_id: str) -> bool:
+    """End a job that waits in PENDING for its driver's resources. The Jobs API's stop only reaches a job's
+    supervisor actor once it is scheduled, so a job stopped while PENDING would start later, when resources
+    free up, for a task that was killed. Killing the unscheduled supervisor ends it: Ray then marks the job
+    FAILED. (The actor's name and namespace are those of Ray's job manager.) Returns whether one was killed."""
+    import ray
+    from ray.dashboard.modules.job.common import JOB_ACTOR_NAME_TEMPLATE, SUPERVISOR_ACTOR_RAY_NAMESPACE
+
+    try:
+        actor = ray.get_actor(
+            JOB_ACTOR_NAME_TEMPLATE.format(job_id=submission_id), namespace=SUPERVISOR_ACTOR_RAY_NAMESPACE
+        )
+    except ValueError:  # no such actor: the job has ended or never had one
+        return False
+    ray.kill(actor, no_restart=True)
+    return True
 
 
 def sweep_leftovers(timeout_s: float = 15.0) -> list[str]:
