@@ -127,6 +127,33 @@ class Bench:
         }
 
 
+def grouping_cost(rows_in_window: int = 2048) -> dict[str, Any]:
+    """The grouping stage alone on one default window (32 documents x 64 questions, chat requests as the job
+    builds them), in this process: what the feature costs where it cannot help."""
+    import time
+
+    import pyarrow as pa
+
+    from airflow_provider_rayllm.job.requests.prefix import PrefixGrouping
+    from airflow_provider_rayllm.job.stream import KEPT_INPUT, REQUEST
+
+    window = rows(32, rows_in_window // 32, 880)
+    requests = [json.dumps({"messages": [{"role": "user", "content": r["prompt"]}]}) for r in window]
+    batch = pa.table({KEPT_INPUT: [{"id": r["id"]} for r in window], REQUEST: requests})
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        PrefixGrouping()(batch)
+        times.append(time.perf_counter() - started)
+    seconds = statistics.median(times)
+    return {
+        "rows": len(window),
+        "request_mib": round(sum(len(r) for r in requests) / 2**20, 1),
+        "seconds": round(seconds, 4),
+        "rows_per_s": round(len(window) / seconds),
+    }
+
+
 def summarize(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     from importlib import metadata
 
@@ -171,6 +198,7 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -
         "rounds": min(len(v) for v in runs.values()),
         "model": "SmolLM2-135M-Instruct (CPU vLLM)",
         "ratio_grouped_over_input_order": ratios,
+        "grouping_stage_alone": grouping_cost(),
         "figures": figures,
         "runs": runs,
         "versions": {

@@ -664,6 +664,17 @@ def prefix_section() -> str:
         "vLLM's logged prefix-cache hit rate, its last stats line per run: grouped "
         f"{last_hits('grouped')}; input order {last_hits('input_order')}.\n\n"
     )
+    alone = r.get("grouping_stage_alone")
+    cost_line = ""
+    if alone:
+        cost_line = (
+            f"Why it is on by default for generation: where it cannot help (no shared prefix, or a cache that "
+            f"holds every prefix) it costs one reorder per window in a light task, {alone['rows']:,} requests "
+            f"({alone['request_mib']} MiB) in {alone['seconds']:.2f} s here ({alone['rows_per_s']:,} rows/s, far "
+            "above an engine's pace), and the first rows wait for one window to be read; the output's row order "
+            "was never the input's. Pooling tasks (embed, classify, score) run without vLLM's prefix cache, so "
+            "it is off for them.\n\n"
+        )
     return (
         head + f"{r['rounds']} round(s) of {r['date']}, both sides in each round in alternating order "
         f"(`{r['command']}`): {w['prefixes']} documents of about 1,000 tokens ({w['document_words']} words) x "
@@ -680,6 +691,9 @@ def prefix_section() -> str:
         + table
         + "\n"
         + hit_line
+        + cost_line
+        + "Not measured here: a KV cache that holds every document (ordering then matters little: each "
+        "prefix is computed once whatever the order), several replicas, a GPU.\n"
     )
 
 
