@@ -307,7 +307,8 @@ class PromptSpec(_Strict):
         description="Rows read ahead in which requests sharing a prompt prefix (the chat messages before the last, "
         "and the last message's text up to its last blank line) are put next to each other before batching, so the "
         "engine's prefix cache hits; ids and columns are kept, output row order follows the groups. 0 turns it "
-        "off; default: 2048 for task_type generate, off for pooling tasks.",
+        "off; default: 2048 for task_type generate, off for pooling tasks and with image_column (each row carries "
+        "its image).",
     )
     image_column: str | None = Field(
         None,

@@ -108,7 +108,7 @@ def plan(
         )
     else:
         ds = ds.map_batches(RequestStage(**stage), batch_format="pyarrow", **LIGHT)
-    window = window_rows(spec.prompt.prefix_window_rows, spec.task_type)
+    window = window_rows(spec.prompt.prefix_window_rows, spec.task_type, spec.prompt.image_column is not None)
     if window:
         # Before the repartition, which cuts the window in order: a prefix's rows fill consecutive blocks.
         ds = ds.map_batches(PrefixGrouping(), batch_size=window, batch_format="pyarrow", **LIGHT)
@@ -230,7 +230,7 @@ def preflight(spec: JobSpec, package_dir: str) -> tuple[Any, list[str], Engine]:
     engine.check()
     check_free_cpus(engine, spec)
     log_info("%s", engine.describe())
-    window = window_rows(spec.prompt.prefix_window_rows, spec.task_type)
+    window = window_rows(spec.prompt.prefix_window_rows, spec.task_type, spec.prompt.image_column is not None)
     if window:
         log_info("prefix grouping: requests sharing a prompt prefix put together in windows of %d rows", window)
     else:

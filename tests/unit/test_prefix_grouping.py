@@ -82,11 +82,19 @@ def test_grouped_order(keys, order):
 
 
 @pytest.mark.parametrize(
-    "setting, task_type, rows",
-    [(None, "generate", 2048), (None, "embed", 0), (None, "classify", 0), (0, "generate", 0), (64, "embed", 64)],
+    "setting, task_type, images, rows",
+    [
+        (None, "generate", False, 2048),
+        (None, "embed", False, 0),
+        (None, "classify", False, 0),
+        (None, "generate", True, 0),  # each row carries its image: no default window of thousands
+        (0, "generate", False, 0),
+        (64, "embed", False, 64),
+        (16, "generate", True, 16),
+    ],
 )
-def test_the_window_in_effect(setting, task_type, rows):
-    assert window_rows(setting, task_type) == rows
+def test_the_window_in_effect(setting, task_type, images, rows):
+    assert window_rows(setting, task_type, images) == rows
 
 
 def test_the_stage_keeps_every_row_and_column_and_puts_each_documents_rows_together():

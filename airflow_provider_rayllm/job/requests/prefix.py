@@ -28,12 +28,13 @@ BOUNDARY = "\n\n"
 DEFAULT_WINDOW_ROWS = 2048
 
 
-def window_rows(setting: int | None, task_type: str) -> int:
-    """The window in effect: the task's; else the default for generation (pooling tasks run no prefix cache,
-    so grouping buys them nothing); 0 is off."""
+def window_rows(setting: int | None, task_type: str, images: bool = False) -> int:
+    """The window in effect: the task's; else the default for generation without image_column (pooling tasks
+    run no prefix cache, so grouping buys them nothing; an image_column row carries its image in its request,
+    up to image_max_bytes, so a window of thousands could hold gigabytes); 0 is off."""
     if setting is not None:
         return setting
-    return DEFAULT_WINDOW_ROWS if task_type == "generate" else 0
+    return DEFAULT_WINDOW_ROWS if task_type == "generate" and not images else 0
 
 
 def leading(text: str) -> str:
