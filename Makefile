@@ -35,6 +35,7 @@ bench: setup
 	$(PY) benchmarks/http_bench.py
 	$(PY) benchmarks/scale_bench.py
 	$(PY) benchmarks/load_bench.py
+	$(PY) benchmarks/prefix_bench.py
 	$(PY) benchmarks/report.py
 
 # The lent H200 machine: builds .gpu/ (git-ignored; skipped when complete and up to date) and prints the calls

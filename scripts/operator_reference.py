@@ -118,6 +118,30 @@ CANARY_AND_BUDGETS = [
 ]
 
 
+# What prefix_window_rows does to the stream and to the output's row order (the table says the setting alone).
+PREFIX_GROUPING = [
+    "## Prefix grouping\n",
+    "Rows that share a long prompt prefix (a system prompt with few-shot examples, one document asked many",
+    "questions) are put next to each other before they are cut into engine batches, so the engine's prefix",
+    "cache computes the prefix once for them instead of once per row. It happens in a window of",
+    '`prefix_window_rows` rows (default 2,048 for `task_type="generate"`; off for pooling tasks, and with',
+    "`image_column`, whose rows carry their images; `0` turns it off): the stream stays a stream, with no sort",
+    "over the whole input. A row's prefix is its model (a LoRA",
+    "adapter's), every chat message but the last, and the last message's text up to and including its last",
+    'blank line (`"\\n\\n"`); a prompt\'s text up to its last blank line. So',
+    '`prompt_template="{document}\\n\\nQuestion: {question}"` groups by document, and `system_prompt` before',
+    "single questions groups by the system prompt; a question with a blank line of its own splits its",
+    "document's group (no harm beyond fewer cache hits). A `preprocess` that returns neither messages nor a",
+    "prompt leaves its rows where they are. The window is cut into engine batches in order: a group fills",
+    "consecutive batches (with `concurrency` > 1 they may go to different replicas, each computing the prefix",
+    "once), and the first rows reach the engine when a window has been read (or the input ends).\n",
+    "Rows keep their ids and every column; only the order changes: same-prefix rows leave together, groups in",
+    "the order their first row came, rows of a group in their own order. The output was never in input order",
+    "(Ray Data runs without `preserve_order`); match rows by `id_column` or your own key column.",
+    'Measured gain: docs/PERFORMANCE.md ("Prefix grouping").\n',
+]
+
+
 def _default(argument: object) -> str:
     if argument.required:
         return "**required**"
@@ -215,6 +239,7 @@ def render() -> str:
     ]
     parts += [_row(RayJobOperator, a) for a in JOB]
     parts += ["", *CANARY_AND_BUDGETS]
+    parts += PREFIX_GROUPING
     parts += ["## XCom\n", "| operator | key | value |", "|---|---|---|"]
     parts += [f"| {op} | {key} | {value} |" for op, key, value in XCOM]
     parts += ["", REPORT]

@@ -303,6 +303,15 @@ class PromptSpec(_Strict):
         "later attempt of the same run (after a stop or failure) skips them instead of recomputing, as long as "
         "the row's request (its _request_key: prompt, model, sampling) is the same; a changed row is asked again.",
     )
+    prefix_window_rows: int | None = Field(
+        None,
+        ge=0,
+        description="Rows read ahead in which requests sharing a prompt prefix (the chat messages before the last, "
+        "and the last message's text up to its last blank line) are put next to each other before batching, so the "
+        "engine's prefix cache hits; ids and columns are kept, output row order follows the groups. 0 turns it "
+        "off; default: 2048 for task_type generate, off for pooling tasks and with image_column (each row carries "
+        "its image).",
+    )
     image_column: str | None = Field(
         None,
         description="Column with an image per row (bytes, a path or s3:// / gs:// URI the cluster reads, or an "

@@ -37,6 +37,7 @@ from airflow_provider_rayllm.job.failpoints import FAILPOINT_ENV, failpoint
 from airflow_provider_rayllm.job.progress import AnswerCounter, ProgressLog
 from airflow_provider_rayllm.job.publish.publisher import Publisher
 from airflow_provider_rayllm.job.requests.keys import request_identity
+from airflow_provider_rayllm.job.requests.prefix import PrefixGrouping, window_rows
 from airflow_provider_rayllm.job.requests.stage import RequestStage
 from airflow_provider_rayllm.job.sinks.files import ResultSink, totals
 from airflow_provider_rayllm.job.sources import open_input
@@ -109,6 +110,10 @@ def plan(
         )
     else:
         ds = ds.map_batches(RequestStage(**stage), batch_format="pyarrow", **LIGHT)
+    window = window_rows(spec.prompt.prefix_window_rows, spec.task_type, spec.prompt.image_column is not None)
+    if window:
+        # Before the repartition, which cuts the window in order: a prefix's rows fill consecutive blocks.
+        ds = ds.map_batches(PrefixGrouping(), batch_size=window, batch_format="pyarrow", **LIGHT)
     # Blocks of one engine batch: answers leave the engine batch by batch, not when a whole input file is
     # done (a streaming repartition: no block waits for the others).
     ds = ds.repartition(target_num_rows_per_block=engine.block_rows())
@@ -227,6 +232,13 @@ def preflight(spec: JobSpec, package_dir: str) -> tuple[Any, list[str], Engine]:
     engine.check()
     check_free_cpus(engine, spec)
     log_info("%s", engine.describe())
+    window = window_rows(spec.prompt.prefix_window_rows, spec.task_type, spec.prompt.image_column is not None)
+    if window:
+        log_info("prefix grouping: requests sharing a prompt prefix put together in windows of %d rows", window)
+    else:
+        log_info(
+            "prefix grouping: off (prefix_window_rows=%r, task_type %s)", spec.prompt.prefix_window_rows, spec.task_type
+        )
     return source, keep, engine
 
 

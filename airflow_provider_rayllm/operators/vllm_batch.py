@@ -76,6 +76,7 @@ class VLLMBatchOperator(BatchOperator):
         output_column: str = "response",
         keep_columns: list[str] | None = None,
         id_column: str | None = None,
+        prefix_window_rows: int | None = None,
         image_column: str | None = None,
         image_max_bytes: int = 20971520,
         image_allow_private_hosts: bool = False,

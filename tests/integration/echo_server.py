@@ -4,7 +4,8 @@
 Run as `python echo_server.py PORT DELAY [nocount]`. GET /stats returns how many requests each prompt got, so a
 test can tell a re-sent request (fine) from a duplicated output row (not fine); `nocount` keeps no count (a
 benchmark's millions of prompts would otherwise grow the server's memory with the run), and its "times" when
-each prompt's request last arrived and was answered (Unix seconds). A prompt that starts with "[sleep S]" is
+each prompt's request last arrived and was answered (Unix seconds), and "order" the prompts in the order their
+requests arrived. A prompt that starts with "[sleep S]" is
 answered after S seconds instead of DELAY. POST /fail {"status": 400} makes every later request fail with that
 status until POST /fail {"status": 0}.
 """
@@ -23,6 +24,7 @@ PORT, DELAY = int(sys.argv[1]), float(sys.argv[2])
 COUNT = sys.argv[3:] != ["nocount"]
 REQUESTS: collections.Counter = collections.Counter()
 TIMES: dict[str, list[float]] = {}
+ORDER: list[str] = []
 SLEEP = re.compile(r"^\[sleep ([0-9.]+)\]")
 FAIL = {"status": 0}
 
@@ -47,6 +49,7 @@ async def chat(request: web.Request) -> web.Response:
     text = _text(body["messages"][-1]["content"])
     if COUNT:
         REQUESTS[text] += 1
+        ORDER.append(text)
         arrived = time.time()
     slow = SLEEP.match(text)
     await asyncio.sleep(float(slow.group(1)) if slow else DELAY)
@@ -60,7 +63,9 @@ async def chat(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    return web.json_response({"requests": dict(REQUESTS), "total": sum(REQUESTS.values()), "times": TIMES})
+    return web.json_response(
+        {"requests": dict(REQUESTS), "total": sum(REQUESTS.values()), "times": TIMES, "order": ORDER}
+    )
 
 
 async def fail(request: web.Request) -> web.Response:
