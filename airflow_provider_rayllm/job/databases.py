@@ -11,6 +11,25 @@ from typing import Any
 from airflow_provider_rayllm.contract.names import SQL_URI_ENV
 from airflow_provider_rayllm.job.errors import JobError
 
+# Every wait on the warehouse has an end unless the connection says otherwise (its URI's query, from the
+# Airflow connection's extras): connecting, a statement (a fetch of one chunk, one insert), and a peer that
+# went silent (TCP keepalives notice it within about a minute).
+CONNECT_TIMEOUT_S = 30
+STATEMENT_TIMEOUT_S = 600
+POSTGRES_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}
+
+
+def postgres_options(query: dict[str, str]) -> dict[str, Any]:
+    """psycopg2's keyword arguments for the deadlines the URI does not set itself."""
+    options: dict[str, Any] = {k: v for k, v in POSTGRES_KEEPALIVES.items() if k not in query}
+    if "connect_timeout" not in query:
+        options["connect_timeout"] = CONNECT_TIMEOUT_S
+    if "statement_timeout" not in query.get("options", ""):
+        options["options"] = " ".join(
+            filter(None, [query.get("options"), f"-c statement_timeout={STATEMENT_TIMEOUT_S * 1000}"])
+        )
+    return options
+
 
 def connect(dialect: str, env_name: str = SQL_URI_ENV) -> Any:
     uri = os.environ.get(env_name)
@@ -19,7 +38,8 @@ def connect(dialect: str, env_name: str = SQL_URI_ENV) -> Any:
     if dialect == "postgresql":
         import psycopg2
 
-        return psycopg2.connect(uri)
+        query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(uri).query))
+        return psycopg2.connect(uri, **postgres_options(query))
     if dialect == "sqlite":
         import sqlite3
 
@@ -51,9 +71,10 @@ def mysql_options(query: dict[str, str]) -> dict[str, Any]:
         options["ssl"] = ssl
     if "ssl_verify_cert" in query:
         options["ssl_verify_cert"] = query["ssl_verify_cert"].lower() in ("1", "true", "yes")
-    for name in ("connect_timeout", "read_timeout"):
-        if query.get(name):
-            options[name] = int(float(query[name]))
+    defaults = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": STATEMENT_TIMEOUT_S}
+    defaults["write_timeout"] = STATEMENT_TIMEOUT_S
+    for name, default in defaults.items():
+        options[name] = int(float(query[name])) if query.get(name) else default
     if query.get("charset"):
         options["charset"] = query["charset"]
     return options

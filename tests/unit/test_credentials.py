@@ -273,7 +273,13 @@ def test_a_mysql_connections_tls_and_timeouts_reach_the_jobs_driver(monkeypatch)
     conn(monkeypatch, "m", conn_type="mysql", host="m", login="root", schema="test", extra=extra)
     _, env = credentials.sql_source("m")
     query = dict(parse_qsl(urlsplit(env["RAYLLM_SQL_URI"]).query))
-    assert mysql_options(query) == {"ssl": {"ca": "/ca.pem"}, "ssl_verify_cert": True, "connect_timeout": 7}
+    assert mysql_options(query) == {
+        "ssl": {"ca": "/ca.pem"},
+        "ssl_verify_cert": True,
+        "connect_timeout": 7,
+        "read_timeout": 600,  # not in the extras: the job's own deadline
+        "write_timeout": 600,
+    }
 
 
 def test_the_operator_writes_the_secrets_file_private_from_its_creation(tmp_path, monkeypatch):
