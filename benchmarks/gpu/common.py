@@ -306,6 +306,53 @@ def trim_text(text: str, head: int = 300, tail: int = 1200) -> str:
     return "\n".join(lines[:head] + [f"... [{len(lines) - head - tail} lines cut] ..."] + lines[-tail:]) + "\n"
 
 
+# --- the prefix phase's figures --------------------------------------------------------------------------------
+PREFIX_SIDES = {"grouped": "prefix_grouped", "window0": "prefix_window0"}
+
+
+def prefix_side(r: dict[str, Any]) -> dict[str, Any]:
+    """One side's figures: job wall from Ray's job record (submitted -> terminal), answering from the engine
+    actor's constructor end (Ray's task record; else the driver's mark) to the last answered row."""
+    w = r.get("windows") or {}
+    wall = w["ended"] - w["submitted"] if w.get("ended") and w.get("submitted") else r.get("wall_s")
+    answering = w["last_answer"] - w["engine_ready"] if w.get("last_answer") and w.get("engine_ready") else None
+    tokens_in, hits = r.get("input_tokens") or 0, r.get("prefix_cache_hit_rate_logged_pct") or []
+    return {
+        "status": r.get("status"),
+        "rows": r.get("rows_out"),
+        "input_tokens": tokens_in,
+        "output_tokens": r.get("output_tokens"),
+        "job_wall_s": wall,
+        "answering_s": answering,
+        "answering_from": w.get("engine_ready_from"),
+        "prompt_tokens_per_s": tokens_in / answering if answering and tokens_in else None,
+        "prompt_tokens_per_s_wall": tokens_in / wall if wall and tokens_in else None,
+        "prefix_cache_hit_rate_last_pct": hits[-1] if hits else None,
+        "prefix_cache_hit_rate_max_pct": max(hits) if hits else None,
+        "kv_cache_tokens": (r.get("vllm_log") or {}).get("kv_cache_tokens"),
+        "init_engine_s": (r.get("vllm_log") or {}).get("init_engine_s"),
+        "torch_compile_s": (r.get("vllm_log") or {}).get("torch_compile_total_s"),
+        "prefix_grouping_lines": r.get("prefix_grouping_lines"),
+    }
+
+
+def prefix_summary(phases: dict[str, Any]) -> dict[str, Any]:
+    sides = {name: prefix_side(phases[p]) for name, p in PREFIX_SIDES.items() if p in phases}
+    submitted = {
+        n: (phases[p].get("windows") or {}).get("submitted") or 0 for n, p in PREFIX_SIDES.items() if p in phases
+    }
+    out: dict[str, Any] = {"sides": sides, "order": sorted(submitted, key=submitted.__getitem__)}
+    if len(sides) == 2 and all(s["status"] == "SUCCEEDED" for s in sides.values()):
+        g, o = sides["grouped"], sides["window0"]
+        out["ratio_grouped_over_window0"] = {
+            "prompt_tokens_per_s": g["prompt_tokens_per_s"] / o["prompt_tokens_per_s"]
+            if g["prompt_tokens_per_s"] and o["prompt_tokens_per_s"]
+            else None,
+            "job_wall_s": o["job_wall_s"] / g["job_wall_s"] if g["job_wall_s"] and o["job_wall_s"] else None,
+        }
+    return out
+
+
 # --- CLI for go.sh --------------------------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
     cmd = argv[0] if argv else ""
@@ -355,6 +402,10 @@ def main(argv: list[str]) -> int:
                 merge_phase(argv[1], {argv[2]: json.load(f)})
         except (OSError, ValueError):
             pass
+        return 0
+    if cmd == "prefix-summary":  # the prefix phase: grouped against window 0, from the two jobs' entries
+        merge_phase("prefix", prefix_summary(load_results()["phases"]))
+        print(f"RESULT_PREFIX {json.dumps(load_results()['phases']['prefix'].get('ratio_grouped_over_window0'))}")
         return 0
     if cmd == "phase-status":
         phase, status, seconds = argv[1], argv[2], float(argv[3])

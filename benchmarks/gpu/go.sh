@@ -21,6 +21,11 @@
 #                   the guide sections on the real SmolLM2, its LoRA adapter and MiniLM, the GPU profile's job;
 #                   pytest carried in .gpu/scripts/pytest when the image lacks it
 #   ourjob_gen_matched  our driver with max_num_seqs/max_num_batched_tokens as offline, batch 128 x 16
+#   prefix          prefix grouping: our driver twice on PREFIX_DOCS documents (~1,000 tokens) x PREFIX_QUESTIONS
+#                   questions listed question-major (benchmarks/prefix_bench.py's rows), prefix caching on, a KV cache
+#                   of PREFIX_KV_BYTES (smaller than the documents), PREFIX_MAX_TOKENS out; grouped (the default
+#                   prefix_window_rows) then prefix_window_rows=0 (PREFIX_ORDER), same engine settings; the ratios in
+#                   results.json's phase `prefix`. PREFIX_MODEL=model (8B-shaped, dummy weights) or smollm2 (real)
 # Optional: offline_generate (LLM.generate, no chat template), ourjob_embed_nochunk (chunked prefill and
 #   prefix caching off for MiniLM), stop_head. FORCE="phase ..." runs done phases again.
 # A phase that failed twice is not tried again (unless named in FORCE); envcheck counts as done once run.
@@ -39,7 +44,7 @@ finish() {
   cp -f "$W/results.json" "$OUT/" 2>/dev/null
   [ -f "$W/gpu.csv" ] && tail -c 8000000 "$W/gpu.csv" > "$OUT/gpu.csv"
   mkdir -p "$OUT/logs"
-  ls -t "$W"/logs/ourjob*.log 2>/dev/null | grep -v '\.full\.log$' | head -3 | while read -r f; do
+  ls -t "$W"/logs/ourjob*.log "$W"/logs/prefix_*.log 2>/dev/null | grep -v '\.full\.log$' | head -3 | while read -r f; do
     tail -c 4000000 "$f" > "$OUT/logs/$(basename "$f")"; done
   # The gpu tests' Ray job logs of this call (driver + engine lines Ray forwards), head and tail of each: a
   # failed test's pytest message holds only the last 4,000 characters.
@@ -188,10 +193,10 @@ EOF
 need_s() {  # rough seconds a phase needs (it is not started with less left)
   case $1 in envcheck) echo 80 ;; offline|offline_generate) echo 200 ;; head|stop_head) echo 45 ;;
     ourjob_gen|ourjob_gen_matched) echo 260 ;; offline_embed) echo 110 ;; ourjob_embed*) echo 200 ;;
-    gputests) echo 420 ;; *) echo 60 ;; esac
+    gputests) echo 420 ;; prefix) echo 400 ;; *) echo 60 ;; esac
 }
 needs_minilm() { case $1 in *embed*|gputests) return 0 ;; *) return 1 ;; esac; }
-needs_smol() { case $1 in gputests) return 0 ;; *) return 1 ;; esac; }
+needs_smol() { case $1 in gputests) return 0 ;; prefix) [ "${PREFIX_MODEL:-model}" = smollm2 ] ;; *) return 1 ;; esac; }
 run_phase() {  # phase timeout_s
   local p=$1 T=$2
   case $p in
@@ -214,6 +219,19 @@ run_phase() {  # phase timeout_s
     ourjob_embed_nochunk) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_embed_nochunk --task embed \
         --n "$EMBED_N" --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" \
         --engine-kwargs '{"enable_chunked_prefill": false, "enable_prefix_caching": false}' --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
+    prefix)  # the first job may take half the phase (it pays the cold compile), the second the rest
+      local pm=${PREFIX_MODEL:-model} end=$(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) side rc=0 dl first=1
+      local ek="{\"enable_prefix_caching\": true, \"kv_cache_memory_bytes\": ${PREFIX_KV_BYTES:-2147483648}, \"max_model_len\": 2048$([ "$pm" = smollm2 ] && echo ', "load_format": "auto"')}"
+      for side in ${PREFIX_ORDER:-grouped window0}; do
+        dl=$end; [ $first = 1 ] && dl=$(( (end + $(date +%s)) / 2 )); first=0
+        timeout -k 30 $(( end + 60 - $(date +%s) )) python3 "$HERE/ourjob.py" --phase "prefix_$side" --task generate --model "$W/$pm" \
+          --prefix-docs "${PREFIX_DOCS:-32}" --prefix-questions "${PREFIX_QUESTIONS:-64}" \
+          --max-tokens "${PREFIX_MAX_TOKENS:-8}" --engine-kwargs "$ek" --deadline "$dl" \
+          $([ "$side" = window0 ] && echo --prefix-window 0) || rc=$?
+        python3 "$HERE/common.py" gpu-clean "prefix_$side"
+      done
+      python3 "$HERE/common.py" prefix-summary
+      return $rc ;;
     gputests)  # the project's gpu-marked tests that need no Airflow (tests/gpu), on the same Ray head
       if ! python3 -c "import pytest" 2>/dev/null; then  # the image has none: the wheels carried in scripts/
         mkdir -p "$W/pytest"

@@ -267,7 +267,15 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--max-concurrent-batches", type=int, default=None)
     ap.add_argument("--deadline", type=float, default=time.time() + 540, help="epoch seconds: stop the job then")
+    # Prefix workload (benchmarks/prefix_bench.py's rows): documents x questions, question-major, instead of N
+    # distinct prompts; --prefix-window sets the prompt's prefix_window_rows (omitted: the spec's default).
+    ap.add_argument("--prefix-docs", type=int, default=0)
+    ap.add_argument("--prefix-questions", type=int, default=64)
+    ap.add_argument("--prefix-words", type=int, default=880, help="words per document (~1,000 tokens)")
+    ap.add_argument("--prefix-window", type=int, default=None)
     args = ap.parse_args()
+    if args.prefix_docs:
+        args.n = args.prefix_docs * args.prefix_questions
 
     res: dict = {"ok": False, "task": args.task, "n": args.n, "model": args.model}
     mon = None
@@ -280,13 +288,27 @@ def main() -> int:
 
         # Rows: the same prompts as the offline phase (by the model's own tokenizer).
         t = time.time()
-        prompts, avg_in = common.make_prompts(args.model, args.n, args.in_tokens)
         source = os.path.join(phase_dir, "input.jsonl")
-        with open(source, "w") as f:
-            for i, p in enumerate(prompts):
-                f.write(json.dumps({"id": i, "prompt": p}) + "\n")
+        if args.prefix_docs:
+            from benchmarks.prefix_bench import rows as prefix_rows
+
+            with open(source, "w") as f:
+                for row in prefix_rows(args.prefix_docs, args.prefix_questions, args.prefix_words):
+                    f.write(json.dumps({"id": row["id"], "prompt": row["prompt"]}) + "\n")
+            res["prefix_workload"] = {
+                "documents": args.prefix_docs,
+                "questions_per_document": args.prefix_questions,
+                "document_words": args.prefix_words,
+                "input_order": "question-major: consecutive rows never share a document",
+                "prefix_window_rows": args.prefix_window,
+            }
+        else:
+            prompts, avg_in = common.make_prompts(args.model, args.n, args.in_tokens)
+            with open(source, "w") as f:
+                for i, p in enumerate(prompts):
+                    f.write(json.dumps({"id": i, "prompt": p}) + "\n")
+            res["avg_prompt_tokens_raw"] = avg_in
         res["rows_written_s"] = round(time.time() - t, 2)
-        res["avg_prompt_tokens_raw"] = avg_in
 
         # The spec, through the project's own model.
         from airflow_provider_rayllm.contract.spec import JobSpec
@@ -300,6 +322,8 @@ def main() -> int:
                 "output_column": "response",
                 "sampling_params": {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0},
             }
+            if args.prefix_window is not None:
+                prompt["prefix_window_rows"] = args.prefix_window
         else:
             # MiniLM's limit (sentence-transformers' max_seq_length); a profile's default of 2048 would be refused
             engine_kwargs = {"max_model_len": 256}
@@ -454,6 +478,10 @@ def main() -> int:
                 if eng
                 else None,
                 "vllm_log": common.parse_vllm_log(log),
+                "prefix_cache_hit_rate_logged_pct": [
+                    float(v) for v in re.findall(r"Prefix cache hit rate: ([\d.]+)%", log)
+                ],
+                "prefix_grouping_lines": [line[-300:] for line in log.splitlines() if "prefix grouping" in line][:3],
             }
         )
         if args.task == "generate":
