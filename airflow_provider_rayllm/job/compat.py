@@ -46,9 +46,34 @@ def _cuda_initialized() -> bool:
     return bool(torch.cuda.is_initialized())
 
 
+def _titling(original: Any, module: Any) -> Any:
+    """vLLM's ``set_process_title``, which in a process forked from a Ray worker leaves Ray's title (the
+    ``setproctitle`` package cannot find the command line Ray rewrote): there the title is set the way Ray sets
+    its own, so the engine core still shows as ``VLLM::EngineCore`` to ``ps`` and monitoring."""
+
+    def set_process_title(name: str, suffix: str = "", prefix: str | None = None) -> None:
+        if prefix is None:
+            original(name, suffix)
+            prefix = module.envs.VLLM_PROCESS_NAME_PREFIX
+        else:
+            original(name, suffix, prefix)
+        try:
+            import setproctitle
+
+            if setproctitle.getproctitle():
+                return
+        except ImportError:
+            pass
+        raylet = sys.modules.get("ray._raylet")
+        if raylet is not None and hasattr(raylet, "setproctitle"):
+            raylet.setproctitle(f"{prefix}::{name}_{suffix}" if suffix else f"{prefix}::{name}")
+
+    return set_process_title
+
+
 class _Patched(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Loads vLLM's ``system_utils`` as usual, then puts ``_forking`` around its ``get_mp_context`` before any
-    other vLLM module imports the name."""
+    """Loads vLLM's ``system_utils`` as usual, then puts ``_forking`` around its ``get_mp_context`` (and
+    ``_titling`` around ``set_process_title``) before any other vLLM module imports the names."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != SYSTEM_UTILS or os.environ.get(FORK_ENV) != "1":
@@ -71,6 +96,8 @@ class _Patched(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self._loader.exec_module(module)
         if hasattr(module, "get_mp_context"):
             module.get_mp_context = _forking(module.get_mp_context)
+        if hasattr(module, "set_process_title"):
+            module.set_process_title = _titling(module.set_process_title, module)
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
