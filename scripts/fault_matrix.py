@@ -243,15 +243,15 @@ def _cell(value: Any) -> str:
 
 def render(figures: dict[str, Figures]) -> str:
     stamps = sorted(f["measured_at"][:10] for f in figures.values() if "measured_at" in f)
+    when = f"measured {stamps[0]} to {stamps[-1]}" if stamps else "none recorded yet"
     lines = [
         START,
         "## Fault matrix",
         "",
         f"Written by `scripts/fault_matrix.py` from `build/reliability-figures.json`, the figures the tests recorded "
-        f"in one `make test` run ({stamps[-1] if stamps else 'no run'}). Rows: in / out (published) / lost / "
-        "duplicated. A stop on purpose (canary, budget) publishes nothing: its out is 0 and the earlier publish "
-        'stays. "-": the test does not measure it (a job without a secret has none to leave). The tables '
-        "after this one say how each guarantee is made.",
+        f"in `make test` ({when}). Rows: in / out (published) / lost / duplicated. A stop on purpose (canary, "
+        'budget) publishes nothing: its out is 0 and the earlier publish stays. "-": the test does not measure '
+        "it (a job without a secret has none to leave). The tables after this one say how each guarantee is made.",
         "",
         "| # | Fault | How it is injected | Test | Rows in / out / lost / dup | Seconds to a clear end | Secrets left |",
         "|---|---|---|---|---|---|---|",
