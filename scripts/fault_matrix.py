@@ -46,6 +46,21 @@ def _rows(n: str, out: str | None = None, lost: str | None = None, dup: str | No
     return get
 
 
+def _kept(n: str) -> Callable[[Figures], tuple[Any, Any, Any, Any]]:
+    """Every row of ``n`` published (the fault costs time): lost and duplicated as the test counted them."""
+    return lambda f: (f.get(n), f.get(n), f.get("rows_lost"), f.get("duplicate_rows"))
+
+
+def _answered(n: str) -> Callable[[Figures], tuple[Any, Any, Any, Any]]:
+    """Every row of ``n`` answered once; the test does not count duplicates."""
+    return lambda f: (f.get(n), f.get(n), 0 if n in f else None, None)
+
+
+def _stopped(n: str) -> Callable[[Figures], tuple[Any, Any, Any, Any]]:
+    """A run stopped on purpose: ``n`` rows in, nothing published."""
+    return lambda f: (f.get(n), 0 if n in f else None, None, None)
+
+
 def _key(name: str) -> Callable[[Figures], Any]:
     return lambda f: f.get(name)
 
@@ -103,7 +118,7 @@ FAULTS: list[Fault] = [
         "the dashboard's port closed for 20 s",
         "test_reliability::test_a_20_second_dashboard_outage_is_waited_out_by_the_deferred_task",
         "dashboard_outage",
-        rows=lambda f: (f.get("rows_out"), f.get("rows_out"), 0 if "rows_out" in f else None, None),
+        rows=_answered("rows_out"),
         seconds=_key("job_wall_time_s"),
     ),
     Fault(
@@ -112,7 +127,7 @@ FAULTS: list[Fault] = [
         "`ray stop` and a new head on the same ports",
         "test_reliability::test_a_restarted_head_is_job_lost_and_the_retry_runs_a_new_job",
         "lost_cluster",
-        rows=lambda f: (f.get("retry_rows_out"), f.get("retry_rows_out"), f.get("rows_lost"), f.get("duplicate_rows")),
+        rows=_kept("retry_rows_out"),
         seconds=_key("seconds_from_restart_to_task_failure"),
     ),
     Fault(
@@ -121,7 +136,7 @@ FAULTS: list[Fault] = [
         "the echo endpoint holds row 0",
         "test_http_batch::test_a_slow_row_holds_back_only_its_own_batch",
         "slow_row",
-        rows=lambda f: (f.get("rows"), f.get("rows"), 0 if "rows" in f else None, None),
+        rows=_answered("rows"),
     ),
     *[
         Fault(
@@ -179,7 +194,7 @@ FAULTS: list[Fault] = [
         "`kill -9` of the caller actor's process",
         "test_reliability::test_a_killed_pipeline_worker_costs_time_not_rows",
         "worker_death",
-        rows=lambda f: (f.get("rows"), f.get("rows"), f.get("rows_lost"), f.get("duplicate_rows")),
+        rows=_kept("rows"),
         seconds=_key("seconds"),
     ),
     Fault(
@@ -188,7 +203,7 @@ FAULTS: list[Fault] = [
         "`kill -9` of `VLLM::EngineCore`",
         "test_reliability::test_a_killed_vllm_engine_is_resumed_without_recomputing_finished_rows",
         "engine_death",
-        rows=lambda f: (f.get("rows"), f.get("rows"), f.get("rows_lost"), f.get("duplicate_rows")),
+        rows=_kept("rows"),
     ),
     Fault(
         "9",
@@ -196,7 +211,7 @@ FAULTS: list[Fault] = [
         "stop after 36 requests, 8 prompts changed, retry",
         "test_reliability::test_a_stopped_job_run_again_does_not_recompute_finished_rows",
         "resume",
-        rows=lambda f: (f.get("rows"), f.get("rows"), f.get("rows_lost"), f.get("duplicate_rows")),
+        rows=_kept("rows"),
         seconds=_key("resumed_job_seconds"),
     ),
     Fault(
@@ -213,7 +228,7 @@ FAULTS: list[Fault] = [
         "`canary_rows=5` with a schema the echo endpoint cannot meet",
         "test_canary_and_budget::test_a_canary_whose_answers_break_the_schema_stops_the_job_before_the_rest",
         "canary_fails",
-        rows=lambda f: (f.get("rows"), 0 if "rows" in f else None, None, None),
+        rows=_stopped("rows"),
         seconds=_key("seconds"),
     ),
     *[
@@ -223,7 +238,7 @@ FAULTS: list[Fault] = [
             "a budget far below the input's tokens",
             "test_canary_and_budget::test_a_run_that_passes_its_budget_stops_and_publishes_nothing",
             key,
-            rows=lambda f: (f.get("rows"), 0 if "rows" in f else None, None, None),
+            rows=_stopped("rows"),
         )
         for budget, key in (("max_tokens_budget", "budget_tokens"), ("max_cost", "budget_cost"))
     ],
