@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import pytest
@@ -14,39 +12,19 @@ import pytest_asyncio
 from aiohttp import web
 
 from airflow_provider_rayllm.hooks.ray_job import RayJobHook
-from tests.unit.local_http import start_app
+from tests.unit.local_http import silent_server, start_app
 
 
 def test_a_jobs_api_that_never_answers_ends_the_call_within_its_deadline(monkeypatch):
     """A server that accepts the connection and says nothing: the hook's call ends after its deadline with an
     error naming the address, instead of waiting for ever."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                continue
-
-    threading.Thread(target=accept, daemon=True).start()
-    address = f"http://127.0.0.1:{server.getsockname()[1]}"
-    monkeypatch.setenv("AIRFLOW_CONN_RAY_STUCK", json.dumps({"conn_type": "ray", "host": address, "password": "t"}))
-    hook = RayJobHook("ray_stuck", request_timeout_s=1.0)
-    started = time.monotonic()
-    try:
+    with silent_server() as port:
+        address = f"http://127.0.0.1:{port}"
+        monkeypatch.setenv("AIRFLOW_CONN_RAY_STUCK", json.dumps({"conn_type": "ray", "host": address, "password": "t"}))
+        hook = RayJobHook("ray_stuck", request_timeout_s=1.0)
+        started = time.monotonic()
         with pytest.raises(Exception) as failure:
             hook.get_job_info("job-1")
-    finally:
-        stop.set()
-        for conn in held:
-            conn.close()
-        server.close()
     seconds = time.monotonic() - started
     assert seconds < 5, f"the call took {seconds:.1f} s"
     assert address in str(failure.value)

@@ -3,50 +3,28 @@ error within the job's deadlines, on PostgreSQL and MySQL alike (a real socket, 
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import pytest
 
 from airflow_provider_rayllm.job import databases
+from tests.unit.local_http import silent_server
 
 
 @pytest.fixture()
-def silent_server():
-    """A TCP server that accepts every connection and never sends a byte."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        listener.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(listener.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield listener.getsockname()[1]
-    stop.set()
-    thread.join()
-    for conn in held:
-        conn.close()
-    listener.close()
+def silent_port():
+    with silent_server() as port:
+        yield port
 
 
 @pytest.mark.parametrize(
     "dialect, uri", [("postgresql", "postgresql://u@127.0.0.1:{port}/db"), ("mysql", "mysql://u@127.0.0.1:{port}/db")]
 )
-def test_a_server_that_never_answers_ends_the_connect_within_its_deadline(dialect, uri, silent_server, monkeypatch):
+def test_a_server_that_never_answers_ends_the_connect_within_its_deadline(dialect, uri, silent_port, monkeypatch):
     # pymysql reads the server's greeting under its read timeout, psycopg2 under connect_timeout: both are the job's.
     monkeypatch.setattr(databases, "CONNECT_TIMEOUT_S", 2)
     monkeypatch.setattr(databases, "STATEMENT_TIMEOUT_S", 2)
-    monkeypatch.setenv("RAYLLM_TEST_SQL_URI", uri.format(port=silent_server))
+    monkeypatch.setenv("RAYLLM_TEST_SQL_URI", uri.format(port=silent_port))
     started = time.monotonic()
     with pytest.raises(Exception) as failed:
         databases.connect(dialect, "RAYLLM_TEST_SQL_URI")
