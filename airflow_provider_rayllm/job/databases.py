@@ -71,8 +71,11 @@ def mysql_options(query: dict[str, str]) -> dict[str, Any]:
         options["ssl"] = ssl
     if "ssl_verify_cert" in query:
         options["ssl_verify_cert"] = query["ssl_verify_cert"].lower() in ("1", "true", "yes")
-    defaults = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": STATEMENT_TIMEOUT_S}
-    defaults["write_timeout"] = STATEMENT_TIMEOUT_S
+    defaults = {
+        "connect_timeout": CONNECT_TIMEOUT_S,
+        "read_timeout": STATEMENT_TIMEOUT_S,
+        "write_timeout": STATEMENT_TIMEOUT_S,
+    }
     for name, default in defaults.items():
         options[name] = int(float(query[name])) if query.get(name) else default
     if query.get("charset"):
