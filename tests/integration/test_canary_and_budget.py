@@ -50,8 +50,8 @@ def _input(test_home, name: str, n: int) -> tuple[str, list[dict]]:
     return write_jsonl(test_home / "inputs" / f"{name}.jsonl", rows), rows
 
 
-def _run(name: str, input_uri: str, out: str, **kw):
-    op = echo_operator(CONN, name, input_uri, out, max_in_flight=4, batch_size=8, **kw)
+def _run(name: str, input_uri: str, out: str, max_in_flight: int = 4, **kw):
+    op = echo_operator(CONN, name, input_uri, out, max_in_flight=max_in_flight, batch_size=8, **kw)
     return op.execute({"ti": StandInTI("canary", f"manual__{name}", name)})
 
 
@@ -119,9 +119,11 @@ def test_a_passing_canarys_rows_are_answered_once_and_published_with_the_rest(ra
 )
 def test_a_run_that_passes_its_budget_stops_and_publishes_nothing(name, budget, words, ray_conn, echo, test_home):
     out, before = _publish_good_output(name, test_home)
-    input_uri, rows = _input(test_home, name, 400)
+    # Enough rows that sending them all takes seconds (2 in flight, 10 ms each): the budget's check runs on
+    # answers downstream of the caller, on a busy 2-CPU machine up to a few seconds behind it.
+    input_uri, rows = _input(test_home, name, 1000)
     with pytest.raises(AirflowFailException) as failed:
-        _run(name, input_uri, out, **budget)
+        _run(name, input_uri, out, max_in_flight=2, **budget)
     message = str(failed.value)
     assert "budget:" in message and words in message, message
     requests = sum(sent(echo, name).values())
