@@ -148,6 +148,8 @@ class OutageClock:
 REQUEST_TIMEOUT_S = 30.0
 # Seconds a log tail waits before it reconnects after its connection broke.
 TAIL_RECONNECT_S = 2.0
+# Seconds an ended job's log tail may take to deliver its last lines, where the whole log cannot be read.
+LAST_LINES_WAIT_S = 5.0
 
 
 def _jobs_client(settings: RayConnSettings, timeout_s: float) -> Any:
@@ -202,6 +204,10 @@ class JobLogTail:
         self._queue: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._ended = threading.Event()
         self._stop = threading.Event()
+        # Lines handed over so far, and whether ``last_lines`` took over: the thread hands over nothing after.
+        self._lock = threading.Lock()
+        self._handed = 0
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"ray-log-tail-{submission_id}", daemon=True)
 
     def start(self) -> JobLogTail:
@@ -219,6 +225,23 @@ class JobLogTail:
     def wait_ended(self, timeout_s: float) -> bool:
         return self._ended.wait(timeout_s)
 
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` between two looks at the job's status, or less: the tail closing means the job
+        ended, so the next look comes at once."""
+        if self._ended.is_set():
+            time.sleep(seconds)
+        else:
+            self._ended.wait(seconds)
+
+    def last_lines(self, whole_log: str) -> list[str]:
+        """An ended job's lines not yet handed over, from its whole log (``get_job_logs``): the Jobs API closes
+        the tail only some seconds after the job ends, and its last lines are in the log already. The tail
+        stops here and hands over nothing more."""
+        with self._lock:
+            self._closed = True
+            self._stop.set()
+            return self.lines() + whole_log.splitlines()[self._handed :]
+
     def lines(self) -> list[str]:
         out = []
         while True:
@@ -231,6 +254,17 @@ class JobLogTail:
         # Ray's client says at INFO that the tail closed, each time a job ends: the task log has its own end.
         logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)
         asyncio.run(self._follow())
+
+    def _hand_over(self, text: str) -> bool:
+        """Queue ``text``'s lines unless ``last_lines`` took over; False once it has."""
+        with self._lock:
+            if self._closed:
+                return False
+            lines = text.splitlines()
+            for line in lines:
+                self._queue.put(line)
+            self._handed += len(lines)
+            return True
 
     async def _follow(self) -> None:
         read = 0  # characters of the log handed over, whole lines only
@@ -245,12 +279,12 @@ class JobLogTail:
                         continue  # a reconnected tail starts from the beginning
                     pending += chunk[max(0, read - start) :]
                     whole = pending.rfind("\n") + 1
-                    for line in pending[:whole].splitlines():
-                        self._queue.put(line)
+                    if not self._hand_over(pending[:whole]):
+                        return
                     read += whole
                     pending = pending[whole:]
                 if pending:
-                    self._queue.put(pending)
+                    self._hand_over(pending)
                 self._ended.set()
                 return
             except Exception:  # the dashboard may be restarting: the status poll decides how long to wait
@@ -366,6 +400,17 @@ class RayJobHook(BaseHook):
     def tail_job_logs(self, submission_id: str) -> JobLogTail:
         """The job's log as it grows, read once, in a thread of its own (started)."""
         return JobLogTail(self.client, submission_id).start()
+
+    def ended_job_lines(self, tail: JobLogTail) -> list[str]:
+        """An ended job's lines its tail has not handed over yet, read from its whole log at once rather than
+        waited for (the Jobs API closes the tail some seconds after the job ends)."""
+        if tail.ended:
+            return tail.lines()
+        try:
+            return tail.last_lines(self.get_job_logs(tail.submission_id))
+        except Exception:  # the log is a courtesy: what the tail brings in a short wait
+            tail.wait_ended(LAST_LINES_WAIT_S)
+            return tail.lines()
 
     def test_connection(self) -> tuple[bool, str]:
         try:

@@ -61,8 +61,6 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # Left out of the package a job receives (gitignore-style patterns, as Ray's runtime_env "excludes" reads them).
 SHIP_EXCLUDES = ("/local/", "__pycache__/")
 MAX_GENERATIONS = 100
-# Seconds a finished job's log tail may take to deliver its last lines.
-LAST_LINES_WAIT_S = 10.0
 METADATA_OUTPUT_URI = "rayllm_output_uri"
 METADATA_CLEAR_NUMBER = "airflow_clear_number"
 
@@ -528,12 +526,10 @@ class RayJobOperator(BaseOperator):
                     return "LOST", lost_message(submission_id)
                 status = str(info["status"])
                 if status not in ACTIVE_STATES:
-                    # The Jobs API closes the tail once the job's log is complete: show its last lines too.
-                    tail.wait_ended(LAST_LINES_WAIT_S)
-                    printer.show(tail.lines())
+                    printer.show(self.hook.ended_job_lines(tail))
                     return status, str(info.get("message") or "")
                 printer.show(tail.lines())
-                time.sleep(self.poll_interval)
+                tail.sleep(self.poll_interval)
         finally:
             tail.stop()
 

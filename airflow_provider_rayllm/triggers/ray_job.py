@@ -11,9 +11,6 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_provider_rayllm.contract.progress import describe_progress, parse_progress
 from airflow_provider_rayllm.hooks.ray_job import TERMINAL_STATES, JobLogTail, OutageClock, RayJobHook, lost_message
 
-# Seconds a finished job's log tail may take to deliver its last lines.
-LAST_LINES_WAIT_S = 5.0
-
 
 class RayJobTrigger(BaseTrigger):
     """Poll the Jobs API until the job is terminal; yield exactly one event.
@@ -62,12 +59,10 @@ class RayJobTrigger(BaseTrigger):
         first_line = (message.strip().splitlines() or [""])[0][:500]
         return TriggerEvent({"status": status, "submission_id": self.submission_id, "message": first_line})
 
-    def _log_progress(self, tail: JobLogTail | None, shown: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The newest progress line the log tail brought since the last look, to the trigger's log."""
-        if tail is None:
-            return shown
+    def _log_progress(self, lines: list[str], shown: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The newest progress line among the log's lines since the last look, to the trigger's log."""
         latest = shown
-        for line in tail.lines():
+        for line in lines:
             latest = parse_progress(line) or latest
         if latest is not None and latest != shown:
             self.log.info("Ray job %s progress: %s", self.submission_id, describe_progress(latest))
@@ -107,14 +102,13 @@ class RayJobTrigger(BaseTrigger):
                 status = str(info.get("status"))
                 if status in TERMINAL_STATES:
                     if tail is not None:  # the last progress the job printed, once its log is complete
-                        await asyncio.to_thread(tail.wait_ended, LAST_LINES_WAIT_S)
-                        shown = self._log_progress(tail, shown)
+                        shown = self._log_progress(await asyncio.to_thread(hook.ended_job_lines, tail), shown)
                     yield self._event(status, str(info.get("message") or ""))
                     return
                 if tail is None:
                     tail = await self._tail(hook)
-                if self.progress_interval > 0 and time.monotonic() >= next_progress:
-                    shown = self._log_progress(tail, shown)
+                if tail is not None and time.monotonic() >= next_progress:
+                    shown = self._log_progress(tail.lines(), shown)
                     next_progress = time.monotonic() + self.progress_interval
                 await asyncio.sleep(self.poll_interval)
         except Exception as exc:

@@ -82,3 +82,77 @@ async def test_the_log_tail_hands_each_line_over_once_across_a_broken_connection
     assert tail.ended
     assert tailing.connections == 2
     assert lines == ["line a", "line b", "half of line c", "line d"]
+
+
+class EndedJobApi:
+    """A job that has ended whose tail has not closed yet (the Jobs API closes it seconds later): the tail
+    brought two lines and stays open; the whole log has four."""
+
+    LOG = "line a\nline b\nline c\nline d\n"
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def version(self, request):
+        return web.json_response({"version": "4", "ray_version": "2.60.0", "ray_commit": "test"})
+
+    async def logs(self, request):
+        return web.json_response({"logs": self.LOG})
+
+    async def tail(self, request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_str("line a\nline b\n")
+        await self.release.wait()
+        await ws.send_str("line c\nline d\n")
+        await ws.close()
+        return ws
+
+
+@pytest_asyncio.fixture
+async def ended_job(monkeypatch):
+    api = EndedJobApi()
+    app = web.Application()
+    app.router.add_get("/api/version", api.version)
+    app.router.add_get("/api/jobs/{id}/logs", api.logs)
+    app.router.add_get("/api/jobs/{id}/logs/tail", api.tail)
+    runner, port = await start_app(app)
+    conn = {"conn_type": "ray", "host": f"http://127.0.0.1:{port}", "password": "t"}
+    monkeypatch.setenv("AIRFLOW_CONN_RAY_ENDED", json.dumps(conn))
+    yield api
+    api.release.set()
+    await runner.cleanup()
+
+
+async def _handed(tail, n: int) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + 10
+    while len(lines) < n and time.monotonic() < deadline:
+        lines += tail.lines()
+        await asyncio.sleep(0.02)
+    return lines
+
+
+@pytest.mark.asyncio
+async def test_an_ended_jobs_last_lines_come_from_its_whole_log_without_waiting_for_the_tail(ended_job):
+    hook = RayJobHook("ray_ended")
+    tail = await hook.atail_job_logs("job-1")
+    seen = await _handed(tail, 2)
+    started = time.monotonic()
+    seen += await asyncio.to_thread(hook.ended_job_lines, tail)
+    assert time.monotonic() - started < 2, "read at once, not waited for"
+    assert seen == ["line a", "line b", "line c", "line d"], "each line once, in order"
+    ended_job.release.set()  # the tail's late lines are not handed over a second time
+    await asyncio.sleep(0.3)
+    assert tail.lines() == []
+
+
+@pytest.mark.asyncio
+async def test_the_wait_between_polls_ends_when_the_tail_closes(ended_job):
+    tail = await RayJobHook("ray_ended").atail_job_logs("job-1")
+    await _handed(tail, 2)
+    asyncio.get_running_loop().call_later(0.2, ended_job.release.set)
+    started = time.monotonic()
+    await asyncio.to_thread(tail.sleep, 30)
+    assert time.monotonic() - started < 5 and tail.ended
+    tail.stop()

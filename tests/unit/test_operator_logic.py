@@ -1,6 +1,7 @@
 """Operator decisions that need no cluster: re-attach vs new generation, spec errors, events."""
 
 import json
+import time
 
 import pytest
 
@@ -269,12 +270,20 @@ class FlakyJobsApi:
     def tail_job_logs(self, sid):
         return NoLog()
 
+    def ended_job_lines(self, tail):
+        return tail.lines()
+
 
 class NoLog:
     """A log tail that brings nothing and has ended."""
 
+    ended = True
+
     def lines(self):
         return []
+
+    def sleep(self, seconds):
+        time.sleep(seconds)
 
     def wait_ended(self, timeout_s):
         return True
