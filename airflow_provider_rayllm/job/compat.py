@@ -10,6 +10,12 @@ starts it with ``spawn`` inside a Ray actor (and on every CPU platform): the new
 vLLM again, about as long as the actor took to import them. For a one-worker CPU engine (no CUDA, no worker
 processes of its own, no Ray executor) the engine's settings set ``FORK_ENV``: the engine core is then
 forked from the actor, with everything the actor imported already loaded.
+
+The job's driver builds Ray's processor, whose vLLM stage module imports Ray's ``common.errors``; that module
+imports vLLM (torch, transformers and vLLM's own modules: 8-30 s on a CPU node) only to name the engine's
+fatal error types, which matter in the engine actors alone. ``install_driver`` loads it in the driver with
+vLLM's imports refused (the module keeps empty tuples then, as on a node without vLLM); the actors import it
+themselves, with vLLM.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import sys
 from typing import Any
 
 MOVED = {"vllm.entrypoints.chat_utils": "vllm.renderers.chat_utils"}
+# Ray's module that imports vLLM only for its error types (see the module's docstring).
+RAY_ERRORS = "ray.llm._internal.common.errors"
 # Set (to "1") in a one-worker CPU engine's runtime_env: its engine core is forked, not spawned.
 FORK_ENV = "RAYLLM_FORK_ENGINE_CORE"
 SYSTEM_UTILS = "vllm.utils.system_utils"
@@ -123,6 +131,51 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         sys.modules[module.__name__] = module
+
+
+class _RefuseVllm(importlib.abc.MetaPathFinder):
+    """Refuses vLLM's modules while it is on ``sys.meta_path``."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname == "vllm" or fullname.startswith("vllm."):
+            raise ImportError(f"{fullname} is not imported by the job's driver", name=fullname)
+        return None
+
+
+class _ErrorsWithoutVllm(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Loads ``RAY_ERRORS`` with vLLM's imports refused, unless vLLM is loaded already (then as it is)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != RAY_ERRORS or "vllm" in sys.modules:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        self._loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        refuse = _RefuseVllm()
+        sys.meta_path.insert(0, refuse)
+        try:
+            self._loader.exec_module(module)
+        finally:
+            sys.meta_path.remove(refuse)
+
+
+def install_driver() -> None:
+    """``install``, and Ray's error types loaded without vLLM: for the job's driver process only."""
+    install()
+    if not any(isinstance(f, _ErrorsWithoutVllm) for f in sys.meta_path):
+        sys.meta_path.insert(0, _ErrorsWithoutVllm())
 
 
 def install() -> None:

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     submission_id = _submission_id()
     from airflow_provider_rayllm.job import compat
 
-    compat.install()
+    compat.install_driver()
     loaded = secrets.load_into_env(package_dir)
     if loaded:
         log.info("secrets loaded into the environment: %s", loaded)

@@ -53,3 +53,37 @@ def test_vllms_engine_core_is_forked_only_where_the_engines_settings_ask():
         [sys.executable, "-c", _START_METHODS], env=env, capture_output=True, text=True, timeout=300, check=True
     ).stdout.split()
     assert out[-2:] == ["fork", "spawn"], out
+
+
+_DRIVER_IMPORTS = """
+import sys
+from airflow_provider_rayllm.job import compat
+compat.install_driver()
+from ray.llm._internal.batch.stages import vllm_engine_stage  # what building Ray's vLLM processor imports
+from ray.llm._internal.common import errors
+print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")), errors.VLLM_FATAL_ERRORS)
+"""
+
+
+def test_the_driver_builds_rays_vllm_stage_without_importing_vllm():
+    """Ray's stage module imports its errors module, which imports all of vLLM for two exception types: the
+    driver loads it with vLLM refused (empty tuples); the engine actors, which import it with plain
+    ``install``, keep vLLM's types."""
+    import subprocess
+    import sys
+
+    from airflow_provider_rayllm.job import compat
+
+    done = subprocess.run([sys.executable, "-c", _DRIVER_IMPORTS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[] ()"
+
+    compat.install()  # what the engine actors' setup hook runs
+    assert not any(isinstance(f, compat._ErrorsWithoutVllm) for f in sys.meta_path)
+    compat.install_driver()  # and in a process that has vLLM loaded, the types are vLLM's
+    import vllm.v1.engine.exceptions
+
+    sys.modules.pop(compat.RAY_ERRORS, None)
+    errors = importlib.import_module(compat.RAY_ERRORS)
+    assert errors.VLLM_FATAL_ERRORS == (vllm.v1.engine.exceptions.EngineDeadError,)
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, compat._ErrorsWithoutVllm)]
