@@ -114,6 +114,15 @@ FAULTS: list[Fault] = [
     ),
     Fault(
         "3",
+        "An endpoint that never answers (each request held 600 s, request deadline 900 s)",
+        "echo prompts `[sleep 600]`, `stall_timeout_s=6`",
+        "test_reliability::test_an_endpoint_that_never_answers_ends_the_job_at_its_stall_timeout",
+        "endpoint_never_answers",
+        rows=_stopped("rows"),
+        seconds=_key("seconds_to_fail"),
+    ),
+    Fault(
+        "3",
         "Jobs API unreachable while the deferred task waits",
         "the dashboard's port closed for 20 s",
         "test_reliability::test_a_20_second_dashboard_outage_is_waited_out_by_the_deferred_task",

@@ -115,6 +115,10 @@ CANARY_AND_BUDGETS = [
     "(the canary's included): a run that passes one stops there, publishes nothing and fails the task with",
     "`RayJobRefused` naming the budget and what was spent. What is spent beyond the budget is at most the",
     "batches in flight when it passed.\n",
+    "`stall_timeout_s` (default 3600 s) ends a job in which no row has been answered for that long since its",
+    "stream started (engine start-up included) or its last answer: an engine or endpoint that stopped answering",
+    "fails the task with `no row answered for N s (stall_timeout_s=N)` instead of holding the cluster; nothing is",
+    "published, and a retry resumes from the rows saved. `None` sets no limit.\n",
 ]
 
 

@@ -755,6 +755,13 @@ class LimitsSpec(_Strict):
         description="Stop the run (publishing nothing, no retry) once its estimated cost passes this; checked as "
         "answers arrive. Needs a price (price_per_hour, or price_per_1k_input/output_tokens).",
     )
+    stall_timeout_s: float | None = Field(
+        3600.0,
+        gt=0,
+        description="Fail the job (publishing nothing; a retry resumes from the rows saved) when no row has been "
+        "answered for this many seconds since the stream started or its last answer: an engine or endpoint that "
+        "stopped answering ends the job instead of holding the cluster for ever. None: no limit.",
+    )
 
 
 class IncrementalSpec(_Strict):

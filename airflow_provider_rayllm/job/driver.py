@@ -34,7 +34,7 @@ from airflow_provider_rayllm.job.engines import open_engine
 from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.errors import JobError, JobRefused
 from airflow_provider_rayllm.job.failpoints import FAILPOINT_ENV, failpoint
-from airflow_provider_rayllm.job.progress import AnswerCounter, ProgressLog
+from airflow_provider_rayllm.job.progress import AnswerCounter, ProgressLog, StreamStalled
 from airflow_provider_rayllm.job.publish.publisher import Publisher
 from airflow_provider_rayllm.job.requests.keys import request_identity
 from airflow_provider_rayllm.job.requests.prefix import PrefixGrouping, window_rows
@@ -311,14 +311,19 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
 
     # 3. The stream, once (with a canary: the canary's rows first, judged, then the others).
     rows_spec = with_image_folders(spec, source.folders)
-    with ProgressLog(print_line, log_info, engine.actor_name()) as progress:
+    with ProgressLog(
+        print_line, log_info, engine.actor_name(), stall_timeout_s=spec.limits.stall_timeout_s
+    ) as progress:
 
         def stream(ds: Any, folder: str) -> list[dict[str, Any]]:
             sink = ResultSink(folder, spec.sink.format, rows_per_file(spec, engine), engine.shaper(), progress.counts)
             try:
-                plan(rows_spec, engine, ds, keep, package_dir, progress.counts, saved).write_datasink(
-                    sink, ray_remote_args=WRITE
-                )
+                with progress.stoppable():
+                    plan(rows_spec, engine, ds, keep, package_dir, progress.counts, saved).write_datasink(
+                        sink, ray_remote_args=WRITE
+                    )
+            except StreamStalled as stalled:
+                raise JobError(str(stalled)) from None
             except Exception as exc:
                 ours = job_error_in(exc) or input_error_in(exc, spec)
                 if ours is not None:

@@ -14,10 +14,13 @@ driver once, when the write completes).
 
 from __future__ import annotations
 
+import _thread
+import contextlib
+import signal
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from airflow_provider_rayllm.contract.progress import Progress
 from airflow_provider_rayllm.job.budget import Budget
@@ -191,6 +194,10 @@ class _ColumnSum:
         return int(pc.sum(batch.column(self.column)).as_py() or 0)
 
 
+class StreamStalled(Exception):
+    """No row was answered for ``stall_timeout_s``; the stream was interrupted."""
+
+
 class ProgressLog:
     """Driver side: the ``StreamCounts`` actor, and a thread that prints a progress line when the counts change."""
 
@@ -200,14 +207,21 @@ class ProgressLog:
         note: Callable[[str], None],
         engine_actor: str | None = None,
         interval_s: float = INTERVAL_S,
+        stall_timeout_s: float | None = None,
     ):
-        self.print_line, self.note, self.interval_s = print_line, note, interval_s
+        self.print_line, self.note = print_line, note
+        # A stall is seen within a quarter of its limit, however long the progress interval.
+        self.interval_s = min(interval_s, stall_timeout_s / 4) if stall_timeout_s else interval_s
         self.engine_actor = engine_actor
+        self.stall_timeout_s = stall_timeout_s
+        self.stalled: str | None = None
         self.ready_at: float | None = None
         self._stop = threading.Event()
         self._last: dict[str, Any] | None = None
         self._said_at = 0.0
         self._first_noted = False
+        # When the stream in ``stoppable`` began (0: none is running).
+        self._streaming = 0.0
 
     def __enter__(self) -> ProgressLog:
         import ray
@@ -232,6 +246,9 @@ class ProgressLog:
     def _report(self, final: bool = False) -> None:
         totals = self.totals()
         now = time.time()
+        self._watch_engine(now)
+        if not final:
+            self._watch_stall(totals, now)
         if totals == self._last and not final and now - self._said_at < HEARTBEAT_S:
             return
         self._last, self._said_at = totals, now
@@ -243,7 +260,6 @@ class ProgressLog:
                 f"({totals['answered_at_first_write']} rows answered when it was written; "
                 f"{totals['rows_read']} read by this report)"
             )
-        self._watch_engine(now)
         since = self.ready_at or first_answer
         rate = totals["tokens_out"] / (now - since) if since is not None and now - since >= 1.0 else 0.0
         self.print_line(
@@ -273,6 +289,38 @@ class ProgressLog:
         if any(self.engine_actor in (a.class_name or "") for a in alive):
             self.ready_at = now
             self.note(f"engine ready {now - self.started:.0f} s after the plan started")
+
+    def _watch_stall(self, totals: dict[str, Any], now: float) -> None:
+        """No row answered for ``stall_timeout_s`` since the stream started or its last answer: the stream is
+        interrupted (see ``stoppable``) and the job ends with ``stalled`` as its error."""
+        if not self.stall_timeout_s or self.stalled is not None or not self._streaming:
+            return
+        last = max(self._streaming, totals["last_answer_at"] or 0.0)
+        if now - last < self.stall_timeout_s:
+            return
+        answered = totals["rows_answered"]
+        self.stalled = (
+            f"no row answered for {now - last:.0f} s (stall_timeout_s={self.stall_timeout_s:g}): the engine or "
+            f"endpoint stopped answering after {answered} row(s); the job was ended and nothing was published"
+        )
+        self.note(self.stalled)
+        _thread.interrupt_main()
+
+    @contextlib.contextmanager
+    def stoppable(self) -> Iterator[None]:
+        """The stream runs here (in the main thread): a stall interrupts it as Ctrl-C would, and it ends as
+        ``StreamStalled``. Python's own SIGINT handler is in place meanwhile (Ray may leave another)."""
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        self._streaming = time.time()
+        try:
+            yield
+        except KeyboardInterrupt:
+            if self.stalled is None:
+                raise
+            raise StreamStalled(self.stalled) from None
+        finally:
+            self._streaming = 0.0
+            signal.signal(signal.SIGINT, previous)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -121,6 +121,7 @@ class HttpLLMBatchOperator(BatchOperator):
         quality_gate: QualityGate | dict[str, Any] | None = None,
         max_tokens_budget: int | None = None,
         max_cost: float | None = None,
+        stall_timeout_s: float | None = 3600.0,
         **kwargs: Unpack[RayJobArgs],
     ) -> None:
         super().__init__(**kwargs)

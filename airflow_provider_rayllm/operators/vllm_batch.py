@@ -127,6 +127,7 @@ class VLLMBatchOperator(BatchOperator):
         quality_gate: QualityGate | dict[str, Any] | None = None,
         max_tokens_budget: int | None = None,
         max_cost: float | None = None,
+        stall_timeout_s: float | None = 3600.0,
         **kwargs: Unpack[RayJobArgs],
     ) -> None:
         super().__init__(**kwargs)

@@ -153,4 +153,5 @@ for kinds in ("models", "datasets"):
 for files in (f"/{REPO}", f"/{{kinds:datasets}}/{REPO}"):
     app.router.add_route("HEAD", files + "/resolve/{rev}/{path:.*}", resolve)
     app.router.add_get(files + "/resolve/{rev}/{path:.*}", resolve, allow_head=False)
-web.run_app(app, host="127.0.0.1", port=PORT, print=None)
+# A test server: requests still open when it is stopped are cut at once, not waited for.
+web.run_app(app, host="127.0.0.1", port=PORT, print=None, shutdown_timeout=1.0)

@@ -31,4 +31,5 @@ async def stats(request: web.Request) -> web.Response:
 app = web.Application()
 app.router.add_post("/v1/chat/completions", chat)
 app.router.add_get("/stats", stats)
-web.run_app(app, host="127.0.0.1", port=PORT, print=None)
+# A test server: requests still open when it is stopped are cut at once, not waited for.
+web.run_app(app, host="127.0.0.1", port=PORT, print=None, shutdown_timeout=1.0)

@@ -835,3 +835,27 @@ def test_an_actor_that_dies_on_every_start_ends_the_job_in_bounded_time(ray_conn
     assert "Actor" in str(failure.value) or "actor" in str(failure.value), str(failure.value)
     assert seconds < 240, f"{seconds:.0f} s"  # measured 2026-12-04: see docs/RELIABILITY.md
     record_figure("actor_dies_on_every_start", seconds_to_fail=round(seconds, 1), error=str(failure.value)[:200])
+
+
+def test_an_endpoint_that_never_answers_ends_the_job_at_its_stall_timeout(ray_conn, echo, test_home):
+    """Every request hangs (the echo sleeps 600 s) and the request deadline is longer still: without a stall
+    limit the job would hold the cluster for ten minutes. With ``stall_timeout_s=6`` it ends a few seconds after
+    six silent seconds, saying so in one line; nothing is published."""
+    from airflow_provider_rayllm.exceptions import RayJobFailed
+
+    out = test_home / "out" / "stalled"
+    rows = [{"id": i, "prompt": f"[sleep 600] stalled row {i}"} for i in range(4)]
+    ti = StandInTI("reliability", "manual__stalled", "stalled")
+    op = _http_op(
+        "stalled", write_jsonl(test_home / "inputs" / "stalled.jsonl", rows), str(out), timeout_s=900, stall_timeout_s=6
+    )
+    started = time.monotonic()
+    with pytest.raises(RayJobFailed) as failure:
+        op.execute({"ti": ti})
+    seconds = time.monotonic() - started
+    message = str(failure.value)
+    assert "no row answered for" in message and "stall_timeout_s=6" in message, message
+    assert "\n" not in message, "the cause is one line"
+    assert not (out / "manifest.json").exists(), "nothing was published"
+    assert seconds < 120, f"{seconds:.0f} s"
+    record_figure("endpoint_never_answers", rows=len(rows), stall_timeout_s=6, seconds_to_fail=round(seconds, 1))

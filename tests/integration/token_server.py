@@ -35,4 +35,5 @@ async def probe(request: web.Request) -> web.Response:
 app = web.Application()
 app.router.add_post("/token", token)
 app.router.add_get("/token", probe)
-web.run_app(app, host="127.0.0.1", port=PORT, print=None)
+# A test server: requests still open when it is stopped are cut at once, not waited for.
+web.run_app(app, host="127.0.0.1", port=PORT, print=None, shutdown_timeout=1.0)

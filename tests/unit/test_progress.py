@@ -3,6 +3,8 @@ operator reads back."""
 
 from __future__ import annotations
 
+import time
+
 import pyarrow as pa
 import pytest
 
@@ -105,3 +107,69 @@ def test_the_tap_counts_answered_rows_errors_and_tokens_as_they_pass(local_ray):
     assert all(payloads), lines
     done = [p["rows_done"] for p in payloads]
     assert done == sorted(done) and done[-1] == 100, "progress never goes back and ends complete"
+
+
+class _Hangs:
+    """A stage that stopped answering: each batch takes 45 s (not for ever, so that without the watch the
+    test fails instead of hanging)."""
+
+    def __call__(self, batch):
+        time.sleep(45)
+        return batch
+
+
+class _Slow:
+    """A stage that answers each batch after ``seconds``: slow, but answering."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self, batch):
+        time.sleep(self.seconds)
+        return batch
+
+
+def test_a_stream_with_no_answer_for_its_stall_timeout_ends_and_says_so(local_ray):
+    import ray
+
+    notes: list[str] = []
+    table = pa.table({"id": list(range(16)), "__inference_error__": [""] * 16, "num_generated_tokens": [1] * 16})
+    with progress.ProgressLog(lambda line: None, notes.append, interval_s=10, stall_timeout_s=2) as watch:
+        tap = progress.AnswerCounter(watch.counts, "__inference_error__", progress.column_sum("num_generated_tokens"))
+        started = time.monotonic()
+        with pytest.raises(progress.StreamStalled) as stalled:
+            with watch.stoppable():
+                ray.data.from_arrow(table).repartition(target_num_rows_per_block=4).map_batches(
+                    _Hangs, batch_format="pyarrow", batch_size=None, num_cpus=0.2, concurrency=1
+                ).map_batches(tap, batch_format="pyarrow", batch_size=None, num_cpus=0.2).materialize()
+        seconds = time.monotonic() - started
+    assert 2 <= seconds < 30, f"ended after {seconds:.1f} s"
+    assert "no row answered for" in str(stalled.value) and "stall_timeout_s=2" in str(stalled.value)
+    assert "after 0 row(s)" in str(stalled.value)
+    assert any("stall_timeout_s=2" in note for note in notes), "the job log says why it ended"
+
+
+def test_a_slow_stream_that_keeps_answering_is_not_a_stall(local_ray):
+    import ray
+
+    table = pa.table({"id": list(range(16)), "__inference_error__": [""] * 16, "num_generated_tokens": [1] * 16})
+    # Four batches of 3.5 s: the stream outlasts the 12 s limit, no gap between answers comes near it.
+    with progress.ProgressLog(lambda line: None, lambda note: None, stall_timeout_s=12) as watch:
+        tap = progress.AnswerCounter(watch.counts, "__inference_error__", progress.column_sum("num_generated_tokens"))
+        with watch.stoppable():
+            out = (
+                ray.data.from_arrow(table)
+                .repartition(target_num_rows_per_block=4)
+                .map_batches(
+                    _Slow,
+                    fn_constructor_args=(3.5,),
+                    batch_format="pyarrow",
+                    batch_size=None,
+                    num_cpus=0.2,
+                    concurrency=1,
+                )
+                .map_batches(tap, batch_format="pyarrow", batch_size=None, num_cpus=0.2)
+                .materialize()
+            )
+        final = watch.finish()
+    assert out.count() == 16 and final["rows_answered"] == 16 and watch.stalled is None
