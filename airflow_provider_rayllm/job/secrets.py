@@ -156,9 +156,10 @@ def _remove_on_every_node(timeout_s: float) -> None:
     _on_every_node(remove_local, timeout_s)
 
 
-def _leftovers_here(active: list[str]) -> list[str]:
-    """On this node: the secrets files of job packages whose job is not active (this job's package is the
-    task's working directory; its siblings are the other jobs' packages on this node)."""
+def _leftovers_here(ended: list[str]) -> list[str]:
+    """On this node: the secrets files of job packages whose job the cluster listed as ended (this job's package
+    is the task's working directory; its siblings are the other jobs' packages on this node). A package whose
+    job the listing did not know yet (submitted since, a retry right after a stop) is its own job's: kept."""
     here = os.getcwd()
     removed: list[str] = []
     for entry in os.scandir(os.path.dirname(here)):
@@ -171,7 +172,7 @@ def _leftovers_here(active: list[str]) -> list[str]:
                 owner = json.load(handle).get("submission_id")
         except (OSError, ValueError):
             continue  # not one of ours
-        if owner and owner not in active:
+        if owner and owner in ended:
             removed += remove_local(entry.path)
     return removed
 
@@ -223,8 +224,8 @@ def sweep_leftovers(timeout_s: float = 15.0) -> list[str]:
     if not ray.is_initialized():
         ray.init(log_to_driver=False)
     jobs = _jobs()
-    active = sorted(str(j.submission_id) for j in jobs if j.submission_id and _active(j))
-    removed = [path for found in _on_every_node(_leftovers_here, timeout_s, active) for path in found]
+    ended = sorted(str(j.submission_id) for j in jobs if j.submission_id and not _active(j))
+    removed = [path for found in _on_every_node(_leftovers_here, timeout_s, ended) for path in found]
     for job in jobs:
         package = str((job.runtime_env or {}).get("working_dir") or "")
         ours = (job.metadata or {}).get("rayllm_submission_id")

@@ -324,13 +324,20 @@ class _Ti:
 
 
 def test_a_later_job_removes_only_the_secrets_that_ended_jobs_left(tmp_path, monkeypatch):
-    """A node's packages: an ended job's (its driver was killed before its cleanup), a running job's, one that
-    is not ours, and the sweeping job's own. Only the ended job's secrets go."""
+    """A node's packages: an ended job's (its driver was killed before its cleanup), a running job's, one whose
+    job was submitted after the cluster's job list was read (a retry right after a stop: the listing does not
+    know it), one that is not ours, and the sweeping job's own. Only the ended job's secrets go."""
     from airflow_provider_rayllm.job import secrets
 
     root = tmp_path / "working_dir_files"
     packages = {}
-    for name, owner in (("ended", "sub-ended"), ("running", "sub-running"), ("foreign", None), ("mine", "sub-me")):
+    for name, owner in (
+        ("ended", "sub-ended"),
+        ("running", "sub-running"),
+        ("newer", "sub-retry"),
+        ("foreign", None),
+        ("mine", "sub-me"),
+    ):
         folder = root / f"_ray_pkg_{name}"
         folder.mkdir(parents=True)
         (folder / "secrets.json").write_text(json.dumps({"K": "v"}))
@@ -339,9 +346,9 @@ def test_a_later_job_removes_only_the_secrets_that_ended_jobs_left(tmp_path, mon
         packages[name] = folder
     (packages["ended"] / "gcp-keyfile.json").write_text("{}")
     monkeypatch.chdir(packages["mine"])
-    removed = secrets._leftovers_here(["sub-running", "sub-me"])
+    removed = secrets._leftovers_here(["sub-ended", "sub-stopped-long-ago"])  # what the listing says ended
     assert sorted(removed) == sorted(
         [str(packages["ended"] / "secrets.json"), str(packages["ended"] / "gcp-keyfile.json")]
     )
     left = {name: (folder / "secrets.json").exists() for name, folder in packages.items()}
-    assert left == {"ended": False, "running": True, "foreign": True, "mine": True}
+    assert left == {"ended": False, "running": True, "newer": True, "foreign": True, "mine": True}
