@@ -79,12 +79,15 @@ def _titling(original: Any, module: Any) -> Any:
     return set_process_title
 
 
-class _Patched(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Loads vLLM's ``system_utils`` as usual, then puts ``_forking`` around its ``get_mp_context`` (and
-    ``_titling`` around ``set_process_title``) before any other vLLM module imports the names."""
+class _Wrapping(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds one module as the other finders would and loads it through ``exec_module`` (a subclass's), which
+    runs the module's own loader and does its work before or after."""
+
+    def wants(self, fullname: str) -> bool:
+        raise NotImplementedError
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != SYSTEM_UTILS or os.environ.get(FORK_ENV) != "1":
+        if not self.wants(fullname):
             return None
         sys.meta_path.remove(self)
         try:
@@ -99,6 +102,14 @@ class _Patched(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: Any) -> Any:
         return self._loader.create_module(spec)
+
+
+class _Patched(_Wrapping):
+    """Loads vLLM's ``system_utils`` as usual, then puts ``_forking`` around its ``get_mp_context`` (and
+    ``_titling`` around ``set_process_title``) before any other vLLM module imports the names."""
+
+    def wants(self, fullname: str) -> bool:
+        return fullname == SYSTEM_UTILS and os.environ.get(FORK_ENV) == "1"
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
@@ -142,25 +153,11 @@ class _RefuseVllm(importlib.abc.MetaPathFinder):
         return None
 
 
-class _ErrorsWithoutVllm(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _ErrorsWithoutVllm(_Wrapping):
     """Loads ``RAY_ERRORS`` with vLLM's imports refused, unless vLLM is loaded already (then as it is)."""
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != RAY_ERRORS or "vllm" in sys.modules:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return None
-        self._loader = spec.loader
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
+    def wants(self, fullname: str) -> bool:
+        return fullname == RAY_ERRORS and "vllm" not in sys.modules
 
     def exec_module(self, module: Any) -> None:
         refuse = _RefuseVllm()

@@ -55,15 +55,24 @@ class TailingApi:
         return ws
 
 
-@pytest_asyncio.fixture
-async def tailing(monkeypatch):
-    api = TailingApi()
+async def _jobs_api(api, conn_id: str, monkeypatch):
+    """``api``'s routes (version, the log tail, and the whole log where it has one) on a loopback port, as the
+    Airflow connection ``conn_id``; returns the runner to clean up."""
     app = web.Application()
     app.router.add_get("/api/version", api.version)
     app.router.add_get("/api/jobs/{id}/logs/tail", api.tail)
+    if hasattr(api, "logs"):
+        app.router.add_get("/api/jobs/{id}/logs", api.logs)
     runner, port = await start_app(app)
     conn = {"conn_type": "ray", "host": f"http://127.0.0.1:{port}", "password": "t"}
-    monkeypatch.setenv("AIRFLOW_CONN_RAY_TAIL", json.dumps(conn))
+    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(conn))
+    return runner
+
+
+@pytest_asyncio.fixture
+async def tailing(monkeypatch):
+    api = TailingApi()
+    runner = await _jobs_api(api, "ray_tail", monkeypatch)
     monkeypatch.setattr("airflow_provider_rayllm.hooks.ray_job.TAIL_RECONNECT_S", 0.1)
     yield api
     await runner.cleanup()
@@ -112,13 +121,7 @@ class EndedJobApi:
 @pytest_asyncio.fixture
 async def ended_job(monkeypatch):
     api = EndedJobApi()
-    app = web.Application()
-    app.router.add_get("/api/version", api.version)
-    app.router.add_get("/api/jobs/{id}/logs", api.logs)
-    app.router.add_get("/api/jobs/{id}/logs/tail", api.tail)
-    runner, port = await start_app(app)
-    conn = {"conn_type": "ray", "host": f"http://127.0.0.1:{port}", "password": "t"}
-    monkeypatch.setenv("AIRFLOW_CONN_RAY_ENDED", json.dumps(conn))
+    runner = await _jobs_api(api, "ray_ended", monkeypatch)
     yield api
     api.release.set()
     await runner.cleanup()
