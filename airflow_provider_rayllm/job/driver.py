@@ -17,6 +17,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, Iterator
@@ -211,6 +212,11 @@ def _configure_ray_data(spec: JobSpec) -> None:
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
+    # The job prints its own progress lines; Ray Data would say at WARNING that its bars are off.
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    # Ray 2.60 takes a map actor's restarts only among ray_remote_args, which it calls deprecated (there is no
+    # named parameter for them yet); the job's actors get a few restarts on purpose (stream.ACTOR_RETRIES).
+    warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
     window = spec.limits.object_store_window_mb
     if window:
         limits = ctx.execution_options.resource_limits

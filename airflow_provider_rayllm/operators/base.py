@@ -100,6 +100,9 @@ class JobLogView:
     SHUTDOWN_NOISE = ("EngineDeadError", "KeyError: '/psm_", "resource_tracker")
     # The line vLLM's engine logs just before that traceback.
     SHUTDOWN_LINES = ("AsyncLLM output_handler failed",)
+    # Ray's notices about choices the job makes on purpose: its map actors get a few restarts while Ray Data
+    # holds their constructor arguments in the object store (Ray core logs it at error level, once an actor).
+    NOTICES = ("has constructor arguments in the object store and max_restarts > 0",)
     VLLM_LOGGER = re.compile(r"^(?:\(\w+ pid=\d+\) )?[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\] ")
 
     def __init__(self) -> None:
@@ -127,6 +130,8 @@ class JobLogView:
             return [] if any(noise in "\n".join(block) for noise in self.SHUTDOWN_NOISE) else block
         if "Traceback (most recent call last)" in text:
             self.traceback = [line]
+            return []
+        if any(notice in text for notice in self.NOTICES):
             return []
         if worker and not any(level in text for level in ("ERROR", "Error:", "CRITICAL")):
             return []

@@ -506,6 +506,11 @@ def test_the_task_log_shows_the_drivers_lines_and_real_errors_not_engine_chatter
         engine + "(MainProcess pid=6748) ERROR 12-04 15:36:26 [async_llm.py:906] "
         "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
         "2026-12-01 23:47:34,000 INFO rayllm: job secrets removed",
+        # Ray core's notice on every job (2026-12-05): our actors' few restarts, on purpose.
+        "[2026-12-05 12:20:43,122 E 30560 30560] core_worker.cc:2465: Actor with class name: "
+        "'MapWorker(MapBatches(ChatTemplateUDF))' and ID: '9116' has constructor arguments in the object store "
+        "and max_restarts > 0. If the arguments in the object store go out of scope or are lost, the actor "
+        "restart will fail. See https://github.com/ray-project/ray/issues/53727 for more details.",
     ]
     view = JobLogView()
     shown = [line for raw in log for line in view.feed(raw)]
