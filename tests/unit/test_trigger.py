@@ -191,3 +191,38 @@ async def test_progress_lines_of_the_job_log_reach_the_trigger_log_once_each(ser
         "Ray job job-1 progress: 2/8 rows done (25% of the rows read so far), 0 error row(s), 64 tokens out, 40.0 tokens/s, 0 file(s) written, 3 s",
         "Ray job job-1 progress: 6/8 rows done (75% of the rows read so far), 0 error row(s), 192 tokens out, 40.0 tokens/s, 0 file(s) written, 3 s",
     ]
+
+
+class EndsOnItsOwn(JobsApi):
+    """A job that ends 0.3 s after the first look, whatever the trigger does: the log tail closes then, as
+    Ray's does once a job has ended, and the status says SUCCEEDED from then on."""
+
+    def __init__(self):
+        super().__init__([(200, "RUNNING")], logs=["working\n"])
+        self.ends_at = None
+
+    async def get(self, request):
+        loop = asyncio.get_running_loop()
+        if self.ends_at is None:
+            self.ends_at = loop.time() + 0.3
+        self.steps = [(200, "SUCCEEDED" if loop.time() >= self.ends_at else "RUNNING")]
+        return await super().get(request)
+
+    async def tail(self, request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_str("working\n")
+        while self.ends_at is None or asyncio.get_running_loop().time() < self.ends_at:
+            await asyncio.sleep(0.01)
+        await ws.close()
+        return ws
+
+
+@pytest.mark.asyncio
+async def test_a_job_that_ends_is_seen_when_its_log_tail_closes_not_a_poll_interval_later(serve):
+    api = EndsOnItsOwn()
+    await serve(api)
+    started = asyncio.get_running_loop().time()
+    (event,) = await collect(RayJobTrigger(submission_id="job-1", ray_conn_id="ray_test", poll_interval=30))
+    assert event.payload["status"] == "SUCCEEDED"
+    assert asyncio.get_running_loop().time() - started < 10, "seen within seconds, not after the 30 s interval"
