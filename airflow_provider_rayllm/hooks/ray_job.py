@@ -150,6 +150,8 @@ REQUEST_TIMEOUT_S = 30.0
 TAIL_RECONNECT_S = 2.0
 # Seconds an ended job's log tail may take to deliver its last lines, where the whole log cannot be read.
 LAST_LINES_WAIT_S = 5.0
+# How often a waiting trigger looks whether the job's log tail has closed.
+TAIL_LOOK_S = 1.0
 
 
 def _jobs_client(settings: RayConnSettings, timeout_s: float) -> Any:
@@ -227,11 +229,21 @@ class JobLogTail:
 
     def sleep(self, seconds: float) -> None:
         """Wait ``seconds`` between two looks at the job's status, or less: the tail closing means the job
-        ended, so the next look comes at once."""
+        ended, so the next look comes at once. Once it has closed, the whole interval is slept again."""
         if self._ended.is_set():
             time.sleep(seconds)
         else:
             self._ended.wait(seconds)
+
+    async def asleep(self, seconds: float) -> None:
+        """``sleep`` for an event loop that must not block (the triggerer's): the tail's closing is seen within
+        ``TAIL_LOOK_S`` (a flag read, no call)."""
+        if self._ended.is_set():
+            await asyncio.sleep(seconds)
+            return
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0 and not self._ended.is_set():
+            await asyncio.sleep(min(TAIL_LOOK_S, left))
 
     def last_lines(self, whole_log: str) -> list[str]:
         """An ended job's lines not yet handed over, from its whole log (``get_job_logs``): the Jobs API closes

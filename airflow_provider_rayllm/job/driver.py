@@ -35,7 +35,7 @@ from airflow_provider_rayllm.job.engines import open_engine
 from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.errors import JobError, JobRefused
 from airflow_provider_rayllm.job.failpoints import FAILPOINT_ENV, failpoint
-from airflow_provider_rayllm.job.progress import AnswerCounter, ProgressLog, StreamStalled
+from airflow_provider_rayllm.job.progress import AnswerCounter, ProgressLog
 from airflow_provider_rayllm.job.publish.publisher import Publisher
 from airflow_provider_rayllm.job.requests.keys import request_identity
 from airflow_provider_rayllm.job.requests.prefix import PrefixGrouping, window_rows
@@ -328,8 +328,6 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
                     plan(rows_spec, engine, ds, keep, package_dir, progress.counts, saved).write_datasink(
                         sink, ray_remote_args=WRITE
                     )
-            except StreamStalled as stalled:
-                raise JobError(str(stalled)) from None
             except Exception as exc:
                 ours = job_error_in(exc) or input_error_in(exc, spec)
                 if ours is not None:

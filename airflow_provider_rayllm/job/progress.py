@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 from airflow_provider_rayllm.contract.progress import Progress
 from airflow_provider_rayllm.job.budget import Budget
+from airflow_provider_rayllm.job.errors import JobError
 
 INTERVAL_S = 10.0
 # Points of the report's rows-over-time line at most, whatever the number of batches.
@@ -194,8 +195,9 @@ class _ColumnSum:
         return int(pc.sum(batch.column(self.column)).as_py() or 0)
 
 
-class StreamStalled(Exception):
-    """No row was answered for ``stall_timeout_s``; the stream was interrupted."""
+class StreamStalled(JobError):
+    """No row was answered for ``stall_timeout_s``; the stream was interrupted (a job error like any other: the
+    driver fails the job with its message, and a retry may run)."""
 
 
 class ProgressLog:

@@ -11,9 +11,6 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_provider_rayllm.contract.progress import describe_progress, parse_progress
 from airflow_provider_rayllm.hooks.ray_job import TERMINAL_STATES, JobLogTail, OutageClock, RayJobHook, lost_message
 
-# How often a waiting trigger looks whether the job's log tail has closed (a flag: no call is made).
-TAIL_LOOK_S = 1.0
-
 
 class RayJobTrigger(BaseTrigger):
     """Poll the Jobs API until the job is terminal; yield exactly one event.
@@ -80,17 +77,6 @@ class RayJobTrigger(BaseTrigger):
             self.log.debug("could not follow the job log: %s", exc)
             return None
 
-    async def _sleep(self, tail: JobLogTail | None) -> None:
-        """``poll_interval`` between two looks at the job's status, or less: a log tail that closes (the Jobs API
-        closes it once the job has ended) cuts the wait short, seen within ``TAIL_LOOK_S``. Once the tail is
-        closed the whole interval is slept again."""
-        if tail is None or tail.ended:
-            await asyncio.sleep(self.poll_interval)
-            return
-        deadline = time.monotonic() + self.poll_interval
-        while (left := deadline - time.monotonic()) > 0 and not tail.ended:
-            await asyncio.sleep(min(TAIL_LOOK_S, left))
-
     async def run(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
         clock = OutageClock(self.submission_id, self.unreachable_timeout)
@@ -124,7 +110,10 @@ class RayJobTrigger(BaseTrigger):
                 if tail is not None and time.monotonic() >= next_progress:
                     shown = self._log_progress(tail.lines(), shown)
                     next_progress = time.monotonic() + self.progress_interval
-                await self._sleep(tail)
+                if tail is not None:  # a tail that closes (the job ended) cuts the wait short
+                    await tail.asleep(self.poll_interval)
+                else:
+                    await asyncio.sleep(self.poll_interval)
         except Exception as exc:
             yield self._event("ERROR", f"{type(exc).__name__}: {exc}")
         finally:
