@@ -26,6 +26,9 @@
 #                   of PREFIX_KV_BYTES (smaller than the documents), PREFIX_MAX_TOKENS out; grouped (the default
 #                   prefix_window_rows) then prefix_window_rows=0 (PREFIX_ORDER), same engine settings; the ratios in
 #                   results.json's phase `prefix`. PREFIX_MODEL=model (8B-shaped, dummy weights) or smollm2 (real)
+#   ourjob_gen_spawn ourjob_gen under another name (a same-machine baseline for ourjob_gen_fork)
+#   ourjob_gen_fork  ourjob_gen with runtime_env env_vars RAYLLM_FORK_ENGINE_CORE=1 (the engine core forked from
+#                   the Ray actor instead of spawned; results.json notes the engine core processes seen and vLLM's lines)
 # Optional: offline_generate (LLM.generate, no chat template), ourjob_embed_nochunk (chunked prefill and
 #   prefix caching off for MiniLM), stop_head. FORCE="phase ..." runs done phases again.
 # A phase that failed twice is not tried again (unless named in FORCE); envcheck counts as done once run.
@@ -192,7 +195,7 @@ EOF
 # --- 3. phases ----------------------------------------------------------------------------------------------
 need_s() {  # rough seconds a phase needs (it is not started with less left)
   case $1 in envcheck) echo 80 ;; offline|offline_generate) echo 200 ;; head|stop_head) echo 45 ;;
-    ourjob_gen|ourjob_gen_matched) echo 260 ;; offline_embed) echo 110 ;; ourjob_embed*) echo 200 ;;
+    ourjob_gen|ourjob_gen_matched|ourjob_gen_fork|ourjob_gen_spawn) echo 260 ;; offline_embed) echo 110 ;; ourjob_embed*) echo 200 ;;
     gputests) echo 420 ;; prefix) echo 400 ;; *) echo 60 ;; esac
 }
 needs_minilm() { case $1 in *embed*|gputests) return 0 ;; *) return 1 ;; esac; }
@@ -209,8 +212,11 @@ run_phase() {  # phase timeout_s
         --n "$EMBED_N" --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" ;;
     head) timeout -k 20 "$T" python3 "$HERE/ray_head.py" start ;;
     stop_head) timeout -k 20 "$T" python3 "$HERE/ray_head.py" stop ;;
-    ourjob_gen) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_gen --task generate --n "$N" \
+    ourjob_gen|ourjob_gen_spawn) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase $p --task generate --n "$N" \
         --model "$W/model" --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
+    ourjob_gen_fork) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_gen_fork --task generate --n "$N" \
+        --model "$W/model" --runtime-env '{"env_vars": {"RAYLLM_FORK_ENGINE_CORE": "1"}}' \
+        --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
     ourjob_gen_matched) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_gen_matched --task generate --n "$N" \
         --model "$W/model" --engine-kwargs "{\"max_num_seqs\": $MAX_NUM_SEQS, \"max_num_batched_tokens\": $MAX_NUM_BATCHED_TOKENS}" \
         --batch-size 128 --max-concurrent-batches 16 --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;

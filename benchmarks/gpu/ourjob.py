@@ -140,6 +140,68 @@ class ProgressWatch:
         }
 
 
+class EngineCoreWatch:
+    """Looks every few seconds for vLLM's engine core processes (title VLLM::EngineCore...) and the engine actor's
+    other children, and notes, once per pid: its title, its parent (pid and title), whether Ray's _raylet library
+    is mapped in it, its threads and resident memory, and when it was first seen (seconds after submission).
+    The title tells spawn from fork: a spawned engine core shows `multiprocessing.spawn import spawn_main` until
+    vLLM renames it, next to a multiprocessing resource_tracker; _raylet is mapped either way (spawn's child
+    imports the Ray worker's main module), seen on 2026-12-05."""
+
+    def __init__(self, poll_s: float = 3.0):
+        self.poll_s, self.last = poll_s, 0.0
+        self.seen: dict[int, dict] = {}
+
+    @staticmethod
+    def _read(path: str, limit: int = 4096) -> str:
+        try:
+            with open(path, "rb") as f:
+                return f.read(limit).replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+    def poll(self, t_submit: float) -> None:
+        if time.time() - self.last < self.poll_s:
+            return
+        self.last = time.time()
+        for pid_s in os.listdir("/proc"):
+            if not pid_s.isdigit() or int(pid_s) in self.seen:
+                continue
+            cmd = self._read(f"/proc/{pid_s}/cmdline", 300)
+            status = self._read(f"/proc/{pid_s}/status", 8192)
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            ppid = fields.get("PPid", "").strip()
+            # the engine core by its title, or any child of the engine's Ray actor (should the title differ)
+            if "EngineCore" not in cmd and not (ppid and "vLLMEngineStage" in self._read(f"/proc/{ppid}/cmdline", 300)):
+                continue
+            maps = self._read(f"/proc/{pid_s}/maps", 64 * 1024 * 1024)
+            self.seen[int(pid_s)] = {
+                "first_seen_s": round(time.time() - t_submit, 1),
+                "title": cmd[:160],
+                "ppid": int(ppid) if ppid.isdigit() else None,
+                "parent_title": self._read(f"/proc/{ppid}/cmdline", 200)[:160] if ppid else "",
+                "raylet_mapped": "_raylet" in maps,
+                "threads": fields.get("Threads", "").strip(),
+                "vm_rss": fields.get("VmRSS", "").strip(),
+            }
+
+    def result(self) -> list[dict]:
+        return [{"pid": pid, **v} for pid, v in sorted(self.seen.items())]
+
+
+# vLLM's and our lines about how the engine core process was started, and any CUDA trouble.
+_MP_LINE = re.compile(
+    r"multiprocess|spawn|fork|VLLM_WORKER_MULTIPROC_METHOD|Automatically detected platform|CUDA error|"
+    r"re-initialize CUDA|cuda.*initiali[sz]|EngineCore.*(?:pid|started|failed)|engine core",
+    re.I,
+)
+
+
+def mp_lines(log: str, limit: int = 40) -> list[str]:
+    out = [line[-400:] for line in log.splitlines() if _MP_LINE.search(line)]
+    return out[:limit] + (["..."] + out[-10:] if len(out) > limit + 10 else out[limit:])
+
+
 def engine_ready_at(dashboard: str, actor: str, lo: float, hi: float) -> float | None:
     """When the engine's actor finished its constructor (which starts vLLM's engine): the end of its actor
     creation task, in Ray's own task record (milliseconds), for the first such actor between lo and hi."""
@@ -264,6 +326,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=common.MAX_TOKENS)
     ap.add_argument("--model", default=os.path.join(common.W, "model"))
     ap.add_argument("--engine-kwargs", default="{}", help="JSON merged over the base engine_kwargs")
+    ap.add_argument("--runtime-env", default=None, help="JSON: the spec's processor.runtime_env")
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--max-concurrent-batches", type=int, default=None)
     ap.add_argument("--deadline", type=float, default=time.time() + 540, help="epoch seconds: stop the job then")
@@ -335,6 +398,8 @@ def main() -> int:
             "engine_kwargs": engine_kwargs,
             "resource_profile": "auto",
         }
+        if args.runtime_env:
+            processor["runtime_env"] = json.loads(args.runtime_env)
         if args.batch_size:
             processor["batch_size"] = args.batch_size
         if args.max_concurrent_batches:
@@ -382,8 +447,10 @@ def main() -> int:
         status, t_running, stopped = None, None, False
         last_print = 0.0
         watch = ProgressWatch()
+        cores = EngineCoreWatch()
         while True:
             watch.poll(client, sid, t_submit)
+            cores.poll(t_submit)
             status = str(client.get_job_status(sid)).split(".")[-1]
             if status == "RUNNING" and t_running is None:
                 t_running = time.time()
@@ -481,6 +548,8 @@ def main() -> int:
                 "prefix_cache_hit_rate_logged_pct": [
                     float(v) for v in re.findall(r"Prefix cache hit rate: ([\d.]+)%", log)
                 ],
+                "engine_core_processes": cores.result(),
+                "mp_lines": mp_lines(log),
                 "prefix_grouping_lines": [line[-300:] for line in log.splitlines() if "prefix grouping" in line][:3],
             }
         )
