@@ -7,9 +7,11 @@ is lazy (nothing is imported until Ray asks for the old name) and only used when
 
 Ray's engine stage runs vLLM's async engine, whose engine core is always a process of its own, and vLLM
 starts it with ``spawn`` inside a Ray actor (and on every CPU platform): the new process imports torch and
-vLLM again, about as long as the actor took to import them. For a one-worker CPU engine (no CUDA, no worker
-processes of its own, no Ray executor) the engine's settings set ``FORK_ENV``: the engine core is then
-forked from the actor, with everything the actor imported already loaded.
+vLLM again, about as long as the actor took to import them. For a one-worker engine (no worker processes of
+its own, no Ray executor) the engine's settings set ``FORK_ENV``: the engine core is then forked from the
+actor, with everything the actor imported already loaded. On a GPU the actor has not touched CUDA by then
+(the engine core is the first to); where it has, vLLM's spawn stands, since a forked child cannot use a
+CUDA context it inherits.
 
 The job's driver builds Ray's processor, whose vLLM stage module imports Ray's ``common.errors``; that module
 imports vLLM (torch, transformers and vLLM's own modules: 8-30 s on a CPU node) only to name the engine's
@@ -31,7 +33,7 @@ from typing import Any
 MOVED = {"vllm.entrypoints.chat_utils": "vllm.renderers.chat_utils"}
 # Ray's module that imports vLLM only for its error types (see the module's docstring).
 RAY_ERRORS = "ray.llm._internal.common.errors"
-# Set (to "1") in a one-worker CPU engine's runtime_env: its engine core is forked, not spawned.
+# Set (to "1") in a one-worker engine's runtime_env: its engine core is forked, not spawned.
 FORK_ENV = "RAYLLM_FORK_ENGINE_CORE"
 SYSTEM_UTILS = "vllm.utils.system_utils"
 

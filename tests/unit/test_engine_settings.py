@@ -37,10 +37,12 @@ def test_usage_statistics_opt_out_reaches_the_engine_env():
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
+        "RAYLLM_FORK_ENGINE_CORE": "1",
         "FOO": "1",
     }
     assert env["pip"] == ["x"]
-    assert vllm_pipeline.engine_runtime_env(spec(usage_stats=True)) is None
+    several = {"tensor_parallel_size": 2}
+    assert vllm_pipeline.engine_runtime_env(spec(usage_stats=True), "gpu", several) is None
 
 
 def test_rows_in_flight_default_to_twice_the_engines_batch_and_an_underfed_engine_is_named():
@@ -203,13 +205,17 @@ def test_a_one_worker_cpu_engine_runs_its_worker_in_the_engine_core_unless_the_u
     assert mine["env_vars"][vllm_pipeline.ONE_PROCESS_ENV] == "1"
 
 
-def test_only_a_one_worker_cpu_engine_has_its_engine_core_forked_from_the_actor():
+def test_only_a_one_worker_engine_has_its_engine_core_forked_from_the_actor():
     from airflow_provider_rayllm.job.compat import FORK_ENV
 
-    assert vllm_pipeline.engine_runtime_env(spec(), "cpu", {})["env_vars"][FORK_ENV] == "1"
-    assert FORK_ENV not in (vllm_pipeline.engine_runtime_env(spec(), "gpu", {}) or {}).get("env_vars", {})
-    several = vllm_pipeline.engine_runtime_env(spec(), "cpu", {"tensor_parallel_size": 2})
-    assert FORK_ENV not in several["env_vars"]
+    for profile in ("cpu", "gpu"):
+        assert vllm_pipeline.engine_runtime_env(spec(), profile, {})["env_vars"][FORK_ENV] == "1", profile
+        several = vllm_pipeline.engine_runtime_env(spec(), profile, {"tensor_parallel_size": 2})
+        assert FORK_ENV not in (several or {}).get("env_vars", {}), profile
+        executor = vllm_pipeline.engine_runtime_env(spec(), profile, {"distributed_executor_backend": "ray"})
+        assert FORK_ENV not in (executor or {}).get("env_vars", {}), profile
+    gpu = vllm_pipeline.engine_runtime_env(spec(), "gpu", {})["env_vars"]
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu, "a GPU engine's worker placement is vLLM's own"
     said = vllm_pipeline.engine_runtime_env(spec(runtime_env={"env_vars": {FORK_ENV: "0"}}), "cpu", {})
     assert said["env_vars"][FORK_ENV] == "0", "the user's own setting stands"
 

@@ -176,7 +176,7 @@ ONE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def one_process_engine(engine_kwargs: dict[str, Any]) -> bool:
-    """A CPU engine of one worker whose executor the user left to vLLM."""
+    """An engine of one worker whose executor the user left to vLLM."""
     return world_size(engine_kwargs) == 1 and "distributed_executor_backend" not in engine_kwargs
 
 
@@ -200,10 +200,14 @@ def engine_runtime_env(
         # vLLM setting splits the engine's cores evenly between its workers instead; set
         # VLLM_CPU_OMP_THREADS_BIND in runtime_env to choose the cores yourself.
         added["VLLM_CPU_SIM_MULTI_NUMA"] = "1"
-    if profile == "cpu" and one_process_engine(engine_kwargs or {}) and ONE_PROCESS_ENV not in user_vars:
+    one_worker = one_process_engine(engine_kwargs or {})
+    if profile == "cpu" and one_worker and ONE_PROCESS_ENV not in user_vars:
         added[ONE_PROCESS_ENV] = "0"
-        # The engine core forked from Ray's actor: no second import of torch and vLLM (see ``compat``).
-        added.setdefault(FORK_ENV, "1")
+    if one_worker:
+        # The engine core forked from Ray's actor: no second import of torch and vLLM (see ``compat``; on
+        # the H100 the spawned engine core took 19 s to its first line, the forked one under a second).
+        # ``compat`` falls back to vLLM's spawn where the actor has already initialised CUDA.
+        added[FORK_ENV] = "1"
     if not added:
         return spec.runtime_env
     env = dict(spec.runtime_env or {})
