@@ -146,7 +146,7 @@ def summarize(src: Path, price: float) -> dict[str, Any]:
         "date": src.name[:10],
         "source": str(src.relative_to(REPO)) if src.is_relative_to(REPO) else str(src),
         "device": {
-            "nvidia_smi": env.get("nvidia_smi"),
+            "nvidia_smi": env.get("nvidia_smi") or _gpu_name(phases),
             "python": ((env.get("python") or "").split() or [None])[0],
             "torch": (env.get("torch_cuda") or {}).get("value"),
             "vllm": (mods.get("vllm") or {}).get("version"),
@@ -452,11 +452,28 @@ def _f(x: Any, fmt: str = "{:,.0f}") -> str:
         return str(x)
 
 
+def _gpu_name(found: Any) -> str | None:
+    """The card our job's manifest names (``gpu.name``), for a run without the envcheck phase."""
+    if isinstance(found, dict):
+        gpu = found.get("gpu")
+        if isinstance(gpu, dict) and isinstance(gpu.get("name"), str):
+            return gpu["name"]
+        found = list(found.values())
+    if isinstance(found, list):
+        for value in found:
+            name = _gpu_name(value)
+            if name:
+                return name
+    return None
+
+
 def markdown(s: dict) -> str:
-    lines = [f"## GPU measurement (one H200, {s['date']})", ""]
     d = s["device"]
+    card = d.get("nvidia_smi") or "H200"
+    short = "H100" if "H100" in card else "H200"
+    lines = [f"## GPU measurement (one {short}, {s['date']})", ""]
     lines.append(
-        f"Measured on the lent `nvidia-h200` machine ({d.get('nvidia_smi') or 'H200'}; Python {d.get('python') or '?'}, "
+        f"Measured on a lent machine with one {card} (Python {d.get('python') or '?'}, "
         f"vLLM {d.get('vllm') or '?'}, Ray {d.get('ray') or '?'}). Workload: {_workload(s)}. "
         f"Prices at ${s['price_per_gpu_hour_usd']:.2f} per GPU-hour."
     )
@@ -517,7 +534,7 @@ def markdown(s: dict) -> str:
         )
 
     row("submission -> driver's first line", None, lambda o: (o.get("timeline_s") or {}).get("driver_started"))
-    row("-> checks done (imports vLLM)", None, lambda o: (o.get("timeline_s") or {}).get("checks_done"))
+    row("-> checks done", None, lambda o: (o.get("timeline_s") or {}).get("checks_done"))
     row("-> source read", None, lambda o: (o.get("timeline_s") or {}).get("source_read"))
     row("-> rows prepared", None, lambda o: (o.get("timeline_s") or {}).get("rows_prepared"))
     row("import vllm", (off or {}).get("startup_s", {}).get("import_vllm"), lambda o: None)
