@@ -27,14 +27,20 @@ def _run(op, run_id: str, try_number: int = 1):
     return op.execute({"ti": StandInTI("bad_inputs", run_id, op.task_id, try_number=try_number)})
 
 
-def _publish_good_output(name: str, test_home) -> tuple[str, dict]:
-    """A first run that succeeds, so that each bad one after it must leave its output published."""
-    out = str(test_home / "out" / "bad_inputs" / name)
-    good = write_jsonl(
-        test_home / "inputs" / f"{name}-good.jsonl", [{"id": i, "prompt": f"good {i}"} for i in range(3)]
-    )
-    manifest = _run(_op(name, good, out), f"manual__{name}_good")
-    return out, manifest
+# One published output per test process, written once: every bad run after it writes into the same prefix
+# (as another task's failed run would) and must leave it published as it was.
+_GOOD: dict[str, tuple[str, dict]] = {}
+
+
+def _publish_good_output(test_home) -> tuple[str, dict]:
+    """A run that succeeds (the first call in this process; later calls get the same output and manifest)."""
+    if str(test_home) not in _GOOD:
+        out = str(test_home / "out" / "bad_inputs" / "published")
+        good = write_jsonl(
+            test_home / "inputs" / "published-good.jsonl", [{"id": i, "prompt": f"good {i}"} for i in range(3)]
+        )
+        _GOOD[str(test_home)] = out, _run(_op("published", good, out), "manual__published_good")
+    return _GOOD[str(test_home)]
 
 
 def _still_published(out: str, before: dict) -> None:
@@ -54,7 +60,7 @@ def _still_published(out: str, before: dict) -> None:
 def test_an_unreadable_or_empty_file_fails_naming_it_and_keeps_the_published_output(
     name, content, fmt, expected, ray_conn, echo, test_home
 ):
-    out, before = _publish_good_output(name, test_home)
+    out, before = _publish_good_output(test_home)
     path = test_home / "inputs" / name / f"bad.{fmt}"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(content)
@@ -87,7 +93,7 @@ def test_a_csv_cell_that_is_not_utf8_is_an_error_row_naming_the_column(ray_conn,
     ],
 )
 def test_ids_that_cannot_key_a_resume_fail_the_job_naming_them(name, ids, expected, ray_conn, echo, test_home):
-    out, before = _publish_good_output(name, test_home)
+    out, before = _publish_good_output(test_home)
     rows = [{"id": i, "prompt": f"row {n}"} for n, i in enumerate(ids)]
     with pytest.raises(Exception) as failed:
         _run(

@@ -57,7 +57,7 @@ def _run(name: str, input_uri: str, out: str, max_in_flight: int = 4, **kw):
 
 def test_a_canary_whose_answers_break_the_schema_stops_the_job_before_the_rest(ray_conn, echo, test_home):
     name = "canary_schema"
-    out, before = _publish_good_output(name, test_home)
+    out, before = _publish_good_output(test_home)
     input_uri, rows = _input(test_home, name, 200)
     started = time.monotonic()
     with pytest.raises(AirflowFailException) as failed:
@@ -118,7 +118,7 @@ def test_a_passing_canarys_rows_are_answered_once_and_published_with_the_rest(ra
     ],
 )
 def test_a_run_that_passes_its_budget_stops_and_publishes_nothing(name, budget, words, ray_conn, echo, test_home):
-    out, before = _publish_good_output(name, test_home)
+    out, before = _publish_good_output(test_home)
     # Enough rows that sending them all takes seconds (2 in flight, 10 ms each): the budget's check runs on
     # answers downstream of the caller, on a busy 2-CPU machine up to a few seconds behind it.
     input_uri, rows = _input(test_home, name, 1000)
