@@ -182,12 +182,94 @@ def load_dag(folder: str, file_name: str, dag_id: str) -> Any:
 FIGURES_FILE = Path(__file__).resolve().parents[2] / "build" / "reliability-figures.json"
 
 
-def record_figure(scenario: str, **figures: Any) -> None:
-    """Keep what a fault-injection test measured (docs/RELIABILITY.md quotes these) in build/."""
+# The scenarios recorded in this process, in order (a fixture adds to those of the test it wraps).
+RECORDED: list[str] = []
+
+
+def record_figure(scenario: str, *, merge: bool = False, **figures: Any) -> None:
+    """Keep what a fault-injection test measured (docs/RELIABILITY.md quotes these) in build/; ``merge`` adds
+    the figures to those already kept for the scenario."""
     FIGURES_FILE.parent.mkdir(parents=True, exist_ok=True)
     current = json.loads(FIGURES_FILE.read_text()) if FIGURES_FILE.exists() else {}
-    current[scenario] = {**figures, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    kept = current.get(scenario, {}) if merge else {}
+    current[scenario] = {**kept, **figures, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     FIGURES_FILE.write_text(json.dumps(current, indent=2, sort_keys=True))
+    RECORDED.append(scenario)
+
+
+def canaries_in(data: bytes, canaries: dict[str, str]) -> list[str]:
+    """The names of the canaries found in ``data`` (a zip's members opened: Ray's packages are compressed)."""
+    import io
+    import zipfile
+
+    found = [name for name, secret in canaries.items() if secret.encode() in data]
+    if data[:4] == b"PK\x03\x04":
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                for member in archive.namelist():
+                    found += [f"{member} in zip: {n}" for n in canaries_in(archive.read(member), canaries)]
+        except zipfile.BadZipFile:
+            pass
+    return found
+
+
+def files_holding(info: Any, canaries: dict[str, str]) -> list[str]:
+    """Every file under every node's Ray temp dir that holds a canary."""
+    roots = [Path(info.temp_dir)] + [Path(n["temp_dir"]) for n in info.worker_nodes or []]
+    found = []
+    for root in roots:
+        for path in root.rglob("*"):
+            try:
+                if not path.is_file() or path.is_symlink() or path.stat().st_size > 200_000_000:
+                    continue
+                data = path.read_bytes()
+            except OSError:  # a socket, or a file removed while we walk
+                continue
+            found += [f"{path}: {name}" for name in canaries_in(data, canaries)]
+    return found
+
+
+_STORE_SCAN = """
+import io, json, sys, zipfile
+import ray
+from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+ray.init(address=sys.argv[1], log_to_driver=False)
+canaries = json.loads(sys.argv[2])
+found, keys = [], _internal_kv_list("gcs://")
+for key in keys:
+    data = _internal_kv_get(key) or b""
+    blobs = [data]
+    if data[:4] == b"PK\\x03\\x04":
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            blobs += [archive.read(m) for m in archive.namelist()]
+    found += [f"{key.decode()}: {name}" for name, s in canaries.items() if any(s.encode() in b for b in blobs)]
+print(json.dumps({"packages": len(keys), "found": found}))
+"""
+
+
+def driver_env(info: Any) -> dict[str, str]:
+    """The environment of a Ray driver on this machine that connects to the cluster ``info`` describes."""
+    import os
+
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=info.token_file)
+    env.pop("RAY_AUTH_TOKEN", None)
+    return env
+
+
+def store_holding(info: Any, canaries: dict[str, str]) -> dict[str, Any]:
+    """The packages in the cluster's store (Ray's internal KV) that hold a canary: ``{"packages", "found"}``."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _STORE_SCAN, info.gcs_address, json.dumps(canaries)],
+        capture_output=True,
+        text=True,
+        env=driver_env(info),
+        timeout=120,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def run_in_thread(op: Any, ti: Any) -> tuple[Any, dict[str, Any]]:

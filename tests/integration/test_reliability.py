@@ -14,21 +14,25 @@ import signal
 import time
 import urllib.parse
 import urllib.request
+import uuid
 
 import psutil
 import pyarrow.parquet as pq
 import pytest
 
 from tests.integration.helpers import (
+    RECORDED,
     ClearedRun,
     StandInTI,
     assert_succeeded,
     echo_connection,
     echo_operator,
+    files_holding,
     load_dag,
     read_rows,
     record_figure,
     run_in_thread,
+    store_holding,
     utc,
     wait_for,
     write_jsonl,
@@ -43,11 +47,40 @@ def _stats(url: str) -> dict:
         return json.loads(resp.read())
 
 
+# The endpoint's API key: a canary every job of these tests carries as a secret, looked for on the cluster
+# after each test (docs/RELIABILITY.md's "secrets left" column).
+API_KEY = f"sk-canary-{uuid.uuid4().hex}"
+CANARY = {"endpoint api key": API_KEY}
+CLEAN_WAIT_S = 20.0
+
+
 @pytest.fixture()
 def echo(service_logs):
-    """A chat endpoint answering each request after 0.5 s, reachable as the `llm_rel` connection."""
-    with echo_connection("llm_rel", 0.5, service_logs) as url:
+    """A chat endpoint answering each request after 0.5 s, reachable as the `llm_rel` connection (with the
+    canary API key)."""
+    with echo_connection("llm_rel", 0.5, service_logs, password=API_KEY) as url:
         yield url
+
+
+@pytest.fixture(autouse=True)
+def no_secret_left(request):
+    """After each test whose jobs carried the canary key on the session's cluster: every file under the
+    nodes' Ray temp dirs and every package in the cluster's store is read for it (allowing a stopped
+    driver up to CLEAN_WAIT_S to finish its clean-up); the count is added to the figures the test recorded."""
+    first = len(RECORDED)
+    yield
+    if "echo" not in request.fixturenames or "ray_conn" not in request.fixturenames:
+        return
+    info = request.getfixturevalue("ray_conn")["info"]
+    started = time.monotonic()
+    while True:
+        left = files_holding(info, CANARY) + store_holding(info, CANARY)["found"]
+        if not left or time.monotonic() - started > CLEAN_WAIT_S:
+            break
+        time.sleep(2)
+    for scenario in dict.fromkeys(RECORDED[first:]):
+        record_figure(scenario, merge=True, secrets_left=len(left))
+    assert not left, f"the endpoint's key is left on the cluster after the test's jobs ended: {left}"
 
 
 def _http_op(task_id: str, input_uri: str, output_uri: str, **kw):

@@ -9,7 +9,6 @@ store are read for them, and so are the job's record, its log, the task's XCom a
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -17,17 +16,20 @@ import subprocess
 import sys
 import time
 import uuid
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from tests.integration.helpers import (
     StandInTI,
+    canaries_in,
+    driver_env,
     echo_connection,
     echo_operator,
+    files_holding,
     record_figure,
     run_in_thread,
+    store_holding,
     wait_for,
     write_jsonl,
 )
@@ -53,66 +55,15 @@ def _op(name: str, input_uri: str, test_home: Path, **kw):
 
 
 def _in_bytes(data: bytes) -> list[str]:
-    found = [name for name, secret in CANARIES.items() if secret.encode() in data]
-    if data[:4] == b"PK\x03\x04":  # a zip (Ray's packages): its members are compressed
-        try:
-            with zipfile.ZipFile(io.BytesIO(data)) as archive:
-                for member in archive.namelist():
-                    found += [f"{member} in zip: {n}" for n in _in_bytes(archive.read(member))]
-        except zipfile.BadZipFile:
-            pass
-    return found
+    return canaries_in(data, CANARIES)
 
 
 def _files_holding_canaries(info) -> list[str]:
-    roots = [Path(info.temp_dir)] + [Path(n["temp_dir"]) for n in info.worker_nodes or []]
-    found = []
-    for root in roots:
-        for path in root.rglob("*"):
-            try:
-                if not path.is_file() or path.is_symlink() or path.stat().st_size > 200_000_000:
-                    continue
-                data = path.read_bytes()
-            except OSError:  # a socket, or a file removed while we walk
-                continue
-            found += [f"{path}: {name}" for name in _in_bytes(data)]
-    return found
-
-
-_STORE_SCAN = """
-import io, json, sys, zipfile
-import ray
-from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
-ray.init(address=sys.argv[1], log_to_driver=False)
-canaries = json.loads(sys.argv[2])
-found, keys = [], _internal_kv_list("gcs://")
-for key in keys:
-    data = _internal_kv_get(key) or b""
-    blobs = [data]
-    if data[:4] == b"PK\\x03\\x04":
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            blobs += [archive.read(m) for m in archive.namelist()]
-    found += [f"{key.decode()}: {name}" for name, s in canaries.items() if any(s.encode() in b for b in blobs)]
-print(json.dumps({"packages": len(keys), "found": found}))
-"""
-
-
-def _driver_env(info) -> dict:
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=info.token_file)
-    env.pop("RAY_AUTH_TOKEN", None)
-    return env
+    return files_holding(info, CANARIES)
 
 
 def _store_holding_canaries(info, canaries: dict | None = None) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", _STORE_SCAN, info.gcs_address, json.dumps(canaries or CANARIES)],
-        capture_output=True,
-        text=True,
-        env=_driver_env(info),
-        timeout=120,
-        check=True,
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return store_holding(info, canaries or CANARIES)
 
 
 def _check_nothing_left(info, hook, ti, op_logs: str, case: str) -> dict:
@@ -194,7 +145,7 @@ def test_a_stopped_driver_deletes_its_package_from_the_store_at_once(ray_conn, t
     driver = subprocess.Popen(
         [sys.executable, "-c", _STOPPED_DRIVER, "spec.json", info.gcs_address],
         cwd=tmp_path,
-        env=_driver_env(info),
+        env=driver_env(info),
         stdout=subprocess.PIPE,
         text=True,
     )
