@@ -141,7 +141,7 @@ FAULTS: list[Fault] = [
     ),
     Fault(
         "3",
-        "One row answered after 6 s on the HTTP path",
+        "One row answered after 20 s on the HTTP path",
         "the echo endpoint holds row 0",
         "test_http_batch::test_a_slow_row_holds_back_only_its_own_batch",
         "slow_row",

@@ -126,7 +126,9 @@ def test_a_429_storm_loses_no_row_and_keeps_under_the_qps_cap(
 def test_a_slow_row_holds_back_only_its_own_batch(ray_conn, test_home, service_logs):
     """No barrier between batches: while one row of the first batch takes its time, the caller actor answers
     every batch after it, and the output still has every row once with its own answer."""
-    slow_s, batch_size, n = 6.0, 4, 48
+    # The slow row takes long enough that the other rows, 0.05 s each, all reach the endpoint before it ends even
+    # on a loaded machine (CI once saw 31 of 47 answered within 6 s: the rows had not arrived yet, barrier or not).
+    slow_s, batch_size, n = 20.0, 4, 48
     rows = [{"id": i, "prompt": f"[sleep {slow_s}] row {i}" if i == 0 else f"row {i}"} for i in range(n)]
     input_uri = write_jsonl(test_home / "inputs" / "slow_row.jsonl", rows)
     with echo_connection("llm_slow_row", 0.05, service_logs) as url:
