@@ -26,7 +26,7 @@
 #                   of PREFIX_KV_BYTES (smaller than the documents), PREFIX_MAX_TOKENS out; grouped (the default
 #                   prefix_window_rows) then prefix_window_rows=0 (PREFIX_ORDER), same engine settings; the ratios in
 #                   results.json's phase `prefix`. PREFIX_MODEL=model (8B-shaped, dummy weights) or smollm2 (real)
-#   ourjob_gen_spawn ourjob_gen under another name (a same-machine baseline for ourjob_gen_fork)
+#   ourjob_gen_spawn ourjob_gen with RAYLLM_FORK_ENGINE_CORE=0 (vLLM's spawn: a same-machine baseline for the fork)
 #   ourjob_gen_fork  ourjob_gen with runtime_env env_vars RAYLLM_FORK_ENGINE_CORE=1 (the engine core forked from
 #                   the Ray actor instead of spawned; results.json notes the engine core processes seen and vLLM's lines)
 # Optional: offline_generate (LLM.generate, no chat template), ourjob_embed_nochunk (chunked prefill and
@@ -212,10 +212,13 @@ run_phase() {  # phase timeout_s
         --n "$EMBED_N" --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" ;;
     head) timeout -k 20 "$T" python3 "$HERE/ray_head.py" start ;;
     stop_head) timeout -k 20 "$T" python3 "$HERE/ray_head.py" stop ;;
-    ourjob_gen|ourjob_gen_spawn) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase $p --task generate --n "$N" \
-        --model "$W/model" --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
-    ourjob_gen_fork) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_gen_fork --task generate --n "$N" \
-        --model "$W/model" --runtime-env '{"env_vars": {"RAYLLM_FORK_ENGINE_CORE": "1"}}' \
+    ourjob_gen|ourjob_gen_spawn|ourjob_gen_fork)
+      # ourjob_gen runs the product's default (since 2026-12-05 a one-worker engine's core is forked); the
+      # other two name the start method, for a same-machine comparison.
+      env=()
+      case $p in ourjob_gen_spawn) env=(--runtime-env '{"env_vars": {"RAYLLM_FORK_ENGINE_CORE": "0"}}') ;;
+        ourjob_gen_fork) env=(--runtime-env '{"env_vars": {"RAYLLM_FORK_ENGINE_CORE": "1"}}') ;; esac
+      timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase $p --task generate --n "$N" --model "$W/model" "${env[@]}" \
         --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
     ourjob_gen_matched) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_gen_matched --task generate --n "$N" \
         --model "$W/model" --engine-kwargs "{\"max_num_seqs\": $MAX_NUM_SEQS, \"max_num_batched_tokens\": $MAX_NUM_BATCHED_TOKENS}" \
