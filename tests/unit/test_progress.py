@@ -152,9 +152,11 @@ def test_a_stream_with_no_answer_for_its_stall_timeout_ends_and_says_so(local_ra
 def test_a_slow_stream_that_keeps_answering_is_not_a_stall(local_ray):
     import ray
 
-    table = pa.table({"id": list(range(16)), "__inference_error__": [""] * 16, "num_generated_tokens": [1] * 16})
-    # Four batches of 3.5 s: the stream outlasts the 12 s limit, no gap between answers comes near it.
-    with progress.ProgressLog(lambda line: None, lambda note: None, stall_timeout_s=12) as watch:
+    rows = 40
+    table = pa.table({"id": list(range(rows)), "__inference_error__": [""] * rows, "num_generated_tokens": [1] * rows})
+    # Ten batches of 3.5 s: the stream outlasts the 30 s limit, and no gap between answers comes near it, the
+    # first included (the stage's actor and the counting task's worker start in it: over 10 s on a loaded CI).
+    with progress.ProgressLog(lambda line: None, lambda note: None, stall_timeout_s=30) as watch:
         tap = progress.AnswerCounter(watch.counts, "__inference_error__", progress.column_sum("num_generated_tokens"))
         with watch.stoppable():
             out = (
@@ -172,4 +174,4 @@ def test_a_slow_stream_that_keeps_answering_is_not_a_stall(local_ray):
                 .materialize()
             )
         final = watch.finish()
-    assert out.count() == 16 and final["rows_answered"] == 16 and watch.stalled is None
+    assert out.count() == rows and final["rows_answered"] == rows and watch.stalled is None
