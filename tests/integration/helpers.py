@@ -182,7 +182,7 @@ def load_dag(folder: str, file_name: str, dag_id: str) -> Any:
 FIGURES_FILE = Path(__file__).resolve().parents[2] / "build" / "reliability-figures.json"
 
 
-# The scenarios recorded in this process, in order (a fixture adds to those of the test it wraps).
+# The scenarios recorded in this process, in order (a fixture merges its figures into those of the test it wraps).
 RECORDED: list[str] = []
 
 
@@ -194,7 +194,8 @@ def record_figure(scenario: str, *, merge: bool = False, **figures: Any) -> None
     kept = current.get(scenario, {}) if merge else {}
     current[scenario] = {**kept, **figures, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     FIGURES_FILE.write_text(json.dumps(current, indent=2, sort_keys=True))
-    RECORDED.append(scenario)
+    if not merge:
+        RECORDED.append(scenario)
 
 
 def canaries_in(data: bytes, canaries: dict[str, str]) -> list[str]:
@@ -230,19 +231,16 @@ def files_holding(info: Any, canaries: dict[str, str]) -> list[str]:
 
 
 _STORE_SCAN = """
-import io, json, sys, zipfile
+import json, sys
 import ray
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+sys.path.insert(0, sys.argv[3])
+from tests.integration.helpers import canaries_in
 ray.init(address=sys.argv[1], log_to_driver=False)
 canaries = json.loads(sys.argv[2])
 found, keys = [], _internal_kv_list("gcs://")
 for key in keys:
-    data = _internal_kv_get(key) or b""
-    blobs = [data]
-    if data[:4] == b"PK\\x03\\x04":
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            blobs += [archive.read(m) for m in archive.namelist()]
-    found += [f"{key.decode()}: {name}" for name, s in canaries.items() if any(s.encode() in b for b in blobs)]
+    found += [f"{key.decode()}: {name}" for name in canaries_in(_internal_kv_get(key) or b"", canaries)]
 print(json.dumps({"packages": len(keys), "found": found}))
 """
 
@@ -262,7 +260,7 @@ def store_holding(info: Any, canaries: dict[str, str]) -> dict[str, Any]:
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-c", _STORE_SCAN, info.gcs_address, json.dumps(canaries)],
+        [sys.executable, "-c", _STORE_SCAN, info.gcs_address, json.dumps(canaries), str(Path(__file__).parents[2])],
         capture_output=True,
         text=True,
         env=driver_env(info),

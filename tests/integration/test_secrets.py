@@ -54,26 +54,14 @@ def _op(name: str, input_uri: str, test_home: Path, **kw):
     return echo_operator("llm_secret", name, input_uri, str(test_home / "out" / "secrets" / name), **settings)
 
 
-def _in_bytes(data: bytes) -> list[str]:
-    return canaries_in(data, CANARIES)
-
-
-def _files_holding_canaries(info) -> list[str]:
-    return files_holding(info, CANARIES)
-
-
-def _store_holding_canaries(info, canaries: dict | None = None) -> dict:
-    return store_holding(info, canaries or CANARIES)
-
-
 def _check_nothing_left(info, hook, ti, op_logs: str, case: str) -> dict:
     sid = ti.xcom["submission_id"]
-    assert _in_bytes(json.dumps(hook.get_job_info(sid)).encode()) == [], "the Jobs API record"
-    assert _in_bytes(hook.get_job_logs(sid).encode()) == [], "the job log"
-    assert _in_bytes(json.dumps(ti.xcom, default=str).encode()) == [], "the task's XCom"
-    assert _in_bytes(op_logs.encode()) == [], "the task log"
-    files = _files_holding_canaries(info)
-    store = _store_holding_canaries(info)
+    assert canaries_in(json.dumps(hook.get_job_info(sid)).encode(), CANARIES) == [], "the Jobs API record"
+    assert canaries_in(hook.get_job_logs(sid).encode(), CANARIES) == [], "the job log"
+    assert canaries_in(json.dumps(ti.xcom, default=str).encode(), CANARIES) == [], "the task's XCom"
+    assert canaries_in(op_logs.encode(), CANARIES) == [], "the task log"
+    files = files_holding(info, CANARIES)
+    store = store_holding(info, CANARIES)
     record_figure(f"secrets: job {case}", secrets_left=len(files) + len(store["found"]))
     assert files == [], "files on the cluster's nodes"
     assert store["found"] == [], f"packages in the cluster's store after the {case} job"
@@ -154,12 +142,12 @@ def test_a_stopped_driver_deletes_its_package_from_the_store_at_once(ray_conn, t
         while lines[-1] and lines[-1].strip() != "running":
             lines.append(driver.stdout.readline())
         assert lines[-1].strip() == "running", lines
-        assert [f for f in _store_holding_canaries(info, canary)["found"] if "stopped driver's key" in f], (
+        assert [f for f in store_holding(info, canary)["found"] if "stopped driver's key" in f], (
             "the driver's package is in the store while it runs"
         )
         driver.send_signal(signal.SIGTERM)
         wait_for(lambda: not (tmp_path / "secrets.json").exists(), 30, "the SIGTERM handler")
-        assert _store_holding_canaries(info, canary)["found"] == [], "the package is left in the store"
+        assert store_holding(info, canary)["found"] == [], "the package is left in the store"
         assert driver.poll() is None, "the driver is still in its (slow) cleanup"
     finally:
         driver.kill()
@@ -185,9 +173,9 @@ def test_secrets_a_killed_driver_left_are_removed_by_the_next_job(ray_conn, endp
     os.kill(int(hook.get_job_info(sid)["driver_info"]["pid"]), signal.SIGKILL)
     thread.join(timeout=120)
     assert "ended FAILED" in str(outcome.get("error")), outcome
-    left = _files_holding_canaries(info)
+    left = files_holding(info, CANARIES)
     assert left, "the killed driver left its secrets on the node (the case this test is about)"
-    assert _store_holding_canaries(info)["found"], "and its package in the store"
+    assert store_holding(info, CANARIES)["found"], "and its package in the store"
 
     next_ti = StandInTI("secrets", "manual__after_kill", "next")
     rows = [{"id": i, "prompt": f"next row {i}"} for i in range(4)]
@@ -196,8 +184,8 @@ def test_secrets_a_killed_driver_left_are_removed_by_the_next_job(ray_conn, endp
     )
     assert manifest["rows_out"] == len(rows)
     said = [line for line in hook.get_job_logs(next_ti.xcom["submission_id"]).splitlines() if "secrets" in line]
-    after = _files_holding_canaries(info)
-    in_store = _store_holding_canaries(info)["found"]
+    after = files_holding(info, CANARIES)
+    in_store = store_holding(info, CANARIES)["found"]
     record_figure(
         "secrets: driver SIGKILLed, then the next job",
         left_by_the_kill=len(left),
@@ -223,7 +211,7 @@ def test_a_job_stopped_while_pending_leaves_no_secret_once_on_kills_sweep_ran(ra
     wait_for(lambda: "submission_id" in ti.xcom, 60, "the job to be submitted")
     sid = ti.xcom["submission_id"]
     assert hook.get_job_status(sid) == "PENDING"
-    assert _store_holding_canaries(info)["found"], "the pending job's package, with its secrets, is in the store"
+    assert store_holding(info, CANARIES)["found"], "the pending job's package, with its secrets, is in the store"
     killed_at = time.monotonic()
     op.on_kill()
     # The Jobs API's stop never reaches a job whose supervisor is not scheduled; the sweep job ends it.
@@ -234,6 +222,6 @@ def test_a_job_stopped_while_pending_leaves_no_secret_once_on_kills_sweep_ran(ra
     assert hook.get_job_status(f"{sid}-sweep") == "SUCCEEDED", hook.get_job_logs(f"{sid}-sweep")
     swept_after = time.monotonic() - killed_at
     assert "RAYLLM_SWEPT" in hook.get_job_logs(f"{sid}-sweep")
-    left = _store_holding_canaries(info)["found"] + _files_holding_canaries(info)
+    left = store_holding(info, CANARIES)["found"] + files_holding(info, CANARIES)
     assert left == [], "the stopped job's package or secrets file is left on the cluster"
     record_figure("secrets: stopped while pending", seconds_to_swept=round(swept_after, 1), secrets_left=len(left))
