@@ -244,7 +244,7 @@ def test_bad_configuration_fails_before_any_engine_starts(
     assert not (output_uri / "_manifest.json").exists()
 
 
-def _preflight(ray_conn, smollm2, test_home, cases: list[dict]) -> list[dict]:
+def _preflight(ray_conn, smollm2, test_home, cases: list[dict], build: bool = False) -> list[dict]:
     """tests/integration/preflight.py over one job package per case (the test DAG's settings with the case's
     overrides), in one Ray driver process; its JSON line per case."""
     import json
@@ -277,7 +277,8 @@ def _preflight(ray_conn, smollm2, test_home, cases: list[dict]) -> list[dict]:
 
     env = ray_driver_env(ray_conn, test_home)
     script = Path(__file__).with_name("preflight.py")
-    done = subprocess.run([sys.executable, str(script), *folders], env=env, capture_output=True, text=True, timeout=600)
+    args = ["--build", *folders] if build else folders
+    done = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     lines = {}
     for text in done.stdout.splitlines():
@@ -299,10 +300,13 @@ def test_the_drivers_preflight_refuses_each_bad_engine_setting(ray_conn, smollm2
 def test_the_drivers_checks_import_neither_vllm_nor_torch(ray_conn, smollm2, test_home):
     """The driver's checks read the model's config files and vLLM's source: importing vLLM (and torch with
     it) cost every job tens of seconds before a bad setting was refused. Judged in a fresh driver process
-    with the settings a test DAG gives, and with sampling and length settings it must still refuse."""
-    (plain,) = _preflight(ray_conn, smollm2, test_home, [{}])
+    with the settings a test DAG gives, and with sampling and length settings it must still refuse. Building
+    Ray's processor next imports torch (Ray's engine stage module names it), but neither vLLM nor
+    transformers, which Ray's builder imports only to read the model's architecture for its telemetry."""
+    (plain,) = _preflight(ray_conn, smollm2, test_home, [{}], build=True)
     assert plain["error"] is None, plain["error"]
     assert plain["heavy"] == [], f"the driver imported {plain['heavy']} for the plain settings"
+    assert plain["built"] == ["torch"], f"building Ray's processor imported {plain['built']}"
     bad = [{"sampling_params": {"temperature": -1}}, {"engine_kwargs": {"max_model_len": 9000}}]
     refused = _preflight(ray_conn, smollm2, test_home, bad)
     assert "temperature must be non-negative" in refused[0]["error"], refused[0]["error"]

@@ -87,3 +87,36 @@ def test_the_driver_builds_rays_vllm_stage_without_importing_vllm():
     errors = importlib.import_module(compat.RAY_ERRORS)
     assert errors.VLLM_FATAL_ERRORS == (vllm.v1.engine.exceptions.EngineDeadError,)
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, compat._ErrorsWithoutVllm)]
+
+
+_CONFIG_ONLY = """
+import inspect, json, sys
+from airflow_provider_rayllm.job import compat
+from airflow_provider_rayllm.local.models import smollm2_path
+folder = str(smollm2_path())
+with compat.config_only_transformers():
+    import transformers  # what Ray's vLLM processor builder does for its telemetry read
+    light = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False).architectures
+    inspect.getmodule(compile("1", "<probe>", "eval"))  # reads every module's __file__ (torch does): no load
+    loaded_by_then = type(sys.modules["transformers"]).__name__
+    tokenizer = transformers.AutoTokenizer  # any other name: the real package
+inside = type(sys.modules["transformers"]).__name__
+real = transformers.AutoConfig.from_pretrained(folder).architectures
+print(json.dumps([light, loaded_by_then, tokenizer.__module__.split(".")[0], inside, real]))
+"""
+
+
+def test_rays_telemetry_read_of_the_model_config_needs_no_transformers():
+    """Inside ``config_only_transformers`` ``AutoConfig`` answers the architecture from the folder's
+    config.json (the same as transformers' own), introspection does not load the package, and any other
+    name loads and returns the real one."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CONFIG_ONLY], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    light, loaded_by_then, tokenizer_package, inside, real = json.loads(done.stdout.strip().splitlines()[-1])
+    assert light == real and real, (light, real)
+    assert loaded_by_then == "_ConfigOnlyTransformers"
+    assert tokenizer_package == "transformers" and inside != "_ConfigOnlyTransformers"

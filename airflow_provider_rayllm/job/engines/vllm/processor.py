@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from airflow_provider_rayllm.contract.spec import VLLMProcessorSpec
+from airflow_provider_rayllm.job.compat import config_only_transformers
 from airflow_provider_rayllm.job.engines.vllm.settings import CPU_STAGE_NUM_CPUS, Feed, engine_runtime_env
 from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, LIGHT, PRE_ERROR, REQUEST
 
@@ -79,13 +80,14 @@ def build(
     )
     builder_kwargs = {"chat_template_kwargs": spec.chat_template_kwargs} if spec.chat_template_kwargs else None
     detokenize_on = bool(detokenize.get("enabled", True)) if isinstance(detokenize, dict) else bool(detokenize)
-    processor = build_processor(
-        config,
-        preprocess=functools.partial(unpack_request, engine_detokenizes=not detokenize_on),
-        preprocess_map_kwargs=LIGHT,
-        postprocess_map_kwargs=LIGHT,
-        builder_kwargs=builder_kwargs,
-    )
+    with config_only_transformers():  # Ray reads the model's architecture for its telemetry only
+        processor = build_processor(
+            config,
+            preprocess=functools.partial(unpack_request, engine_detokenizes=not detokenize_on),
+            preprocess_map_kwargs=LIGHT,
+            postprocess_map_kwargs=LIGHT,
+            builder_kwargs=builder_kwargs,
+        )
     for stage in processor.stages.values():  # every stage is a pool of actors
         for name, value in ACTOR_RETRIES.items():
             stage.map_batches_kwargs.setdefault(name, value)
