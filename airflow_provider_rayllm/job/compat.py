@@ -33,12 +33,10 @@ import contextlib
 import importlib
 import importlib.abc
 import importlib.util
-import json
 import multiprocessing
 import os
 import sys
 import types
-from pathlib import Path
 from typing import Any, Iterator
 
 MOVED = {"vllm.entrypoints.chat_utils": "vllm.renderers.chat_utils"}
@@ -192,14 +190,11 @@ class _FolderConfig:
 
     @staticmethod
     def from_pretrained(path: Any, *args: Any, **kwargs: Any) -> Any:
-        config = Path(str(path)) / "config.json"
-        if config.is_file():
-            try:
-                architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures")
-            except (OSError, ValueError, AttributeError):
-                architectures = None
-            if isinstance(architectures, list):
-                return types.SimpleNamespace(architectures=architectures)
+        from airflow_provider_rayllm.job.engines.vllm.model_config import read_json
+
+        architectures = (read_json(str(path), "config.json") or {}).get("architectures")
+        if isinstance(architectures, list):
+            return types.SimpleNamespace(architectures=architectures)
         return _real_transformers().AutoConfig.from_pretrained(path, *args, **kwargs)
 
 

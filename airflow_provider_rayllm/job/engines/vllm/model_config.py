@@ -41,7 +41,7 @@ def model_max_len(model_source: str, engine_kwargs: dict[str, Any]) -> int | Non
     if is_local_path(model_source) and not os.path.isdir(os.path.expanduser(model_source.removeprefix("file://"))):
         return None  # check_model_source names it
     with _readable_config(model_source, engine_kwargs) as folder:
-        config = _read_json(folder, "config.json")
+        config = read_json(folder, "config.json")
         if config is None:
             log.warning("could not read %s's config.json; max_model_len is not capped", model_source)
             return None
@@ -50,8 +50,8 @@ def model_max_len(model_source: str, engine_kwargs: dict[str, Any]) -> int | Non
             config = {**config, **overrides}
         return derive_max_len(
             config,
-            _read_json(folder, "tokenizer_config.json"),
-            _read_json(folder, "sentence_bert_config.json"),
+            read_json(folder, "tokenizer_config.json"),
+            read_json(folder, "sentence_bert_config.json"),
             sliding_window_off=bool(engine_kwargs.get("disable_sliding_window")),
         )
 
@@ -104,14 +104,15 @@ def model_labels(model_source: str) -> list[str] | None:
     """A sequence-classification model's class names, in output order (its config's ``id2label``); None
     when the config has none or cannot be read."""
     with _readable_config(model_source, {}) as folder:
-        id2label = (_read_json(folder, "config.json") or {}).get("id2label") or {}
+        id2label = (read_json(folder, "config.json") or {}).get("id2label") or {}
         try:
             return [str(id2label[str(i)]) for i in range(len(id2label))]
         except KeyError:
             return None
 
 
-def _read_json(folder: str | None, name: str) -> dict[str, Any] | None:
+def read_json(folder: str | None, name: str) -> dict[str, Any] | None:
+    """A JSON object file of a model folder; None if it is missing, unreadable or not an object."""
     if folder is None:
         return None
     try:
