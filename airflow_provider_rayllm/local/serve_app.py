@@ -53,10 +53,17 @@ def deploy(args: argparse.Namespace) -> int:
 
 
 def delete(args: argparse.Namespace) -> int:
+    """Delete the application; with none left, shut Serve down too, so its controller and proxy actors stop
+    holding the cluster's memory and ticking on its CPUs."""
     from ray import serve
 
     serve.delete(args.app)
-    print(f"deleted {args.app}", flush=True)
+    remaining = sorted(name for name in serve.status().applications if name != args.app)
+    if remaining:
+        print(f"deleted {args.app}; Serve keeps running for {remaining}", flush=True)
+    else:
+        serve.shutdown()
+        print(f"deleted {args.app}; no application left, Serve shut down", flush=True)
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.integration
 # The guide's names: its app and deployment, and the model id its requests name (SmolLM2's weights here).
 APP, DEPLOYMENT, MODEL = "demo_app", "demo_deployment", "facebook/opt-1.3b"
 CONF = {"model": MODEL, "serve_app": APP, "serve_deployment": DEPLOYMENT}
+SERVE_ACTORS = ("ServeController", "ProxyActor")
 
 
 def _serve_app(ray_conn, test_home, *args: str) -> subprocess.CompletedProcess:
@@ -58,9 +60,22 @@ def serve_app(ray_conn, test_home, smollm2):
     )
     assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-4000:]
     yield APP
-    # The replica holds a CPU of the 2-core cluster: the other tests need it back.
+    # The replica holds a CPU of the 2-core cluster: the other tests need it back. With no application left,
+    # the command shuts Serve down: its controller and proxy would otherwise tick on for the rest of the session.
     removed = _serve_app(ray_conn, test_home, "delete", "--app", APP)
     assert removed.returncode == 0, removed.stderr[-3000:]
+    assert "Serve shut down" in removed.stdout, removed.stdout
+    from airflow_provider_rayllm.local.cluster import LocalRayCluster
+
+    def alive() -> list[str]:
+        actors = LocalRayCluster.state_list(ray_conn["info"], "actors")
+        assert any(a.get("class_name") == "ServeController" for a in actors), "the state API listed Serve's actors"
+        return [a["class_name"] for a in actors if a.get("class_name") in SERVE_ACTORS and a.get("state") != "DEAD"]
+
+    deadline = time.time() + 30  # the state API learns of an actor's death a moment after it
+    while alive() and time.time() < deadline:
+        time.sleep(1)
+    assert alive() == [], f"Serve's actors still alive after its last application was deleted: {alive()}"
 
 
 def _job_log(manifest) -> str:
