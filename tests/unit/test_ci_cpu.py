@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,14 +22,16 @@ def test_a_busy_process_started_while_recording_is_counted_under_its_kind(tmp_pa
     out = tmp_path / "cpu.json"
     recorder = subprocess.Popen([sys.executable, str(REPO / "scripts" / "ci_cpu.py"), "record", str(out)])
     time.sleep(1.0)
-    # A process that spins for a second of CPU time, named like Ray's job supervisor actor.
-    spin = "import time, setproctitle; setproctitle.setproctitle('ray::JobSupervisor')\n"
+    # A process that spins for a second of CPU time, titled as a Ray actor is (a name of its own: other tests'
+    # Ray processes run beside this one).
+    name = f"CiCpuSpinner{os.getpid()}"
+    spin = f"import time, setproctitle; setproctitle.setproctitle('ray::{name}')\n"
     spin += "t = time.process_time()\nwhile time.process_time() - t < 1.0: pass\ntime.sleep(0.5)"
     subprocess.run([sys.executable, "-c", spin], check=True)
     recorder.send_signal(signal.SIGTERM)
     assert recorder.wait(timeout=30) == 0
     result = ci_cpu.summary(out, top=10)
-    row = next(r for r in result["by_kind"] if r["kind"] == "Ray: JobSupervisor")
+    row = next(r for r in result["by_kind"] if r["kind"] == f"Ray: {name}")
     assert row["processes"] == 1 and 0.8 <= row["cpu_s"] <= 1.6, row
     assert json.loads(out.read_text())["seconds"] > 1.0
 
