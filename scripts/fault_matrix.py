@@ -34,6 +34,7 @@ class Fault:
     rows: Callable[[Figures], tuple[Any, Any, Any, Any]] | None = None  # in, out, lost, duplicated
     seconds: Callable[[Figures], Any] | None = None
     secrets: Callable[[Figures], Any] | None = None
+    detail: Callable[[Figures], str] | None = None  # measured figures the columns have no place for
 
 
 def _rows(n: str, out: str | None = None, lost: str | None = None, dup: str | None = None) -> Callable:
@@ -59,6 +60,18 @@ def _answered(n: str) -> Callable[[Figures], tuple[Any, Any, Any, Any]]:
 def _stopped(n: str) -> Callable[[Figures], tuple[Any, Any, Any, Any]]:
     """A run stopped on purpose: ``n`` rows in, nothing published."""
     return lambda f: (f.get(n), 0 if n in f else None, None, None)
+
+
+def _accounted(f: Figures, answered: Any, errored: Any) -> tuple[Any, Any, Any, Any]:
+    """Rows in; out = answered + error rows (an error row is published with its reason); lost = the rest."""
+    if None in (f.get("rows"), answered, errored):
+        return f.get("rows"), None, None, None
+    out = answered + errored
+    return f["rows"], out, f["rows"] - out, 0
+
+
+def _refused(f: Figures) -> list[str]:
+    return sorted(k.removeprefix("refused ") for k in f if k.startswith("refused "))
 
 
 def _key(name: str) -> Callable[[Figures], Any]:
@@ -198,6 +211,90 @@ FAULTS: list[Fault] = [
         secrets=_key("secrets_left"),
     ),
     Fault(
+        "3",
+        "An image server that sends its body one byte at a time",
+        "a local server drips a byte every 0.05 s; fetch deadline 1.5 s",
+        "test_prompts::test_a_server_that_drips_one_byte_at_a_time_is_an_error_row_in_bounded_time",
+        "image_server_drips",
+        seconds=_key("seconds_to_error"),
+        detail=lambda f: "the row's error: the fetch took longer than its deadline",
+    ),
+    *[
+        Fault(
+            "3",
+            f"A {name} server that accepts the connection and never answers",
+            "a loopback socket that never speaks; connect deadline 2 s",
+            "test_sql_deadlines::test_a_server_that_never_answers_ends_the_connect_within_its_deadline",
+            f"sql_server_silent_{dialect}",
+            seconds=_key("seconds_to_error"),
+        )
+        for dialect, name in (("postgresql", "PostgreSQL"), ("mysql", "MySQL"))
+    ],
+    Fault(
+        "5",
+        "An HTTP answer over the body cap and one that is not UTF-8, in a batch with a good one",
+        "a local endpoint answers one row with a body over `max_response_bytes=4096`, one with latin-1 bytes",
+        "test_http_client::test_a_body_over_the_cap_or_not_utf8_is_an_error_row_for_that_row_only",
+        "http_response_bounds",
+        rows=lambda f: _accounted(f, f.get("answered"), f.get("error_rows")),
+        seconds=_key("seconds"),
+        detail=lambda f: f"{f.get('error_rows')} error rows, {f.get('answered')} answered",
+    ),
+    Fault(
+        "6",
+        "An image URL at an address that is not public (shared, documentation, private, loopback)",
+        "`image_column` URL `http://<address>/cat.png`, one address a case",
+        "test_prompts::test_only_globally_routable_addresses_are_fetched",
+        "image_fetch_not_public",
+        rows=lambda f: (len(_refused(f)), len(_refused(f)), 0, 0),
+        detail=lambda f: "refused before any connection: " + ", ".join(_refused(f)),
+    ),
+    Fault(
+        "6",
+        "An image path outside the input's folders",
+        "`image_column` naming a file beside the inputs folder",
+        "test_prompts::test_an_image_path_outside_the_inputs_folder_is_an_error_row_and_inside_is_read",
+        "image_path_outside_prefixes",
+        rows=lambda f: _accounted(f, f.get("read"), f.get("error_rows")),
+        detail=lambda f: f"{f.get('error_rows')} error row, {f.get('read')} read",
+    ),
+    Fault(
+        "7",
+        "A model uploaded over another model at the same prefix",
+        "`overwrite=True` with a model that drops one of the old files and adds one",
+        "test_upload_job::test_an_overwrite_leaves_no_file_of_the_old_model",
+        "model_overwrite",
+        detail=lambda f: (
+            f"old model's files left {f.get('old_files_left')}; files under the prefix "
+            f"{f.get('files_under_the_prefix')}, the new model's {f.get('new_model_files')}; "
+            f"files failing verification {f.get('unverified_files')}"
+        ),
+    ),
+    *[
+        Fault(
+            "8",
+            f"Rows changed by another session during a sharded read ({dialect})",
+            "every row moved to another shard, 40 deleted, 40 inserted while the read is paused",
+            "test_sql_reads::test_rows_changed_while_the_read_runs_are_neither_lost_nor_read_twice",
+            f"sql_snapshot_{dialect}",
+            rows=lambda f: (f.get("rows"), f.get("rows_read"), f.get("rows_lost"), f.get("duplicate_rows")),
+            detail=lambda f: f"{f.get('readers')} reader(s) in one snapshot",
+        )
+        for dialect in ("postgresql", "mysql", "sqlite")
+    ],
+    *[
+        Fault(
+            "8",
+            f"A result larger than the socket buffers ({dialect})",
+            "20,000 rows of about 1 kB read with a server-side cursor",
+            "test_sql_reads::test_a_table_larger_than_a_chunk_is_fetched_a_chunk_at_a_time_from_a_server_side_cursor",
+            f"sql_chunks_{dialect}",
+            rows=_rows("rows", "rows_read", dup="duplicate_rows"),
+            detail=lambda f: f"{f.get('blocks')} blocks, one fetch of {f.get('rows_per_fetch')} rows each",
+        )
+        for dialect in ("postgresql", "mysql", "sqlite")
+    ],
+    Fault(
         "-",
         "A pipeline worker SIGKILLed mid-job",
         "`kill -9` of the caller actor's process",
@@ -295,9 +392,8 @@ def render(figures: dict[str, Figures]) -> str:
                 # The reliability tests' jobs carry a canary key: their fixture adds what it found after each.
                 _cell(fault.secrets(f) if fault.secrets else f.get("secrets_left")),
             ]
-        lines.append(
-            f"| {fault.item} | {fault.fault} | {fault.injected} | `{fault.test}` | " + " | ".join(measured) + " |"
-        )
+        name = fault.fault + (f" ({fault.detail(f)})" if fault.detail and f is not None else "")
+        lines.append(f"| {fault.item} | {name} | {fault.injected} | `{fault.test}` | " + " | ".join(measured) + " |")
     return "\n".join([*lines, END])
 
 

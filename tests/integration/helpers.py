@@ -189,11 +189,19 @@ RECORDED: list[str] = []
 def record_figure(scenario: str, *, merge: bool = False, **figures: Any) -> None:
     """Keep what a fault-injection test measured (docs/RELIABILITY.md quotes these) in build/; ``merge`` adds
     the figures to those already kept for the scenario."""
+    import fcntl
+
     FIGURES_FILE.parent.mkdir(parents=True, exist_ok=True)
-    current = json.loads(FIGURES_FILE.read_text()) if FIGURES_FILE.exists() else {}
-    kept = current.get(scenario, {}) if merge else {}
-    current[scenario] = {**kept, **figures, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    FIGURES_FILE.write_text(json.dumps(current, indent=2, sort_keys=True))
+    # Both pytest-xdist workers record: one writer at a time, or a figure written beside another is lost.
+    with open(FIGURES_FILE.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        current = json.loads(FIGURES_FILE.read_text()) if FIGURES_FILE.exists() else {}
+        kept = current.get(scenario, {}) if merge else {}
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        current[scenario] = {**kept, **figures, "measured_at": now}
+        temporary = FIGURES_FILE.with_suffix(".tmp")
+        temporary.write_text(json.dumps(current, indent=2, sort_keys=True))
+        temporary.replace(FIGURES_FILE)
     if not merge:
         RECORDED.append(scenario)
 

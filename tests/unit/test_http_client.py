@@ -216,10 +216,21 @@ async def test_rate_limiter_keeps_the_gap_even_when_the_loop_wakes_late():
 @pytest.mark.asyncio
 async def test_a_body_over_the_cap_or_not_utf8_is_an_error_row_for_that_row_only(server):
     """Each of them is the row's error; the rows beside them in the same batch are answered."""
+    from tests.integration.helpers import record_figure
+
     _, url = server
+    started = time.monotonic()
     async with client(url, max_response_bytes=4096) as c:
         results = await asyncio.gather(c.call({"mode": "huge"}), c.call({"mode": "not-utf8"}), c.call({"mode": "fine"}))
+    seconds = time.monotonic() - started
     huge, not_utf8, fine = results
     assert not huge.ok and "response body over 4096 bytes" in huge.error
     assert not not_utf8.ok and "not valid utf-8" in not_utf8.error
     assert fine.ok and fine.body["choices"][0]["message"]["content"] == "ok fine"
+    record_figure(
+        "http_response_bounds",
+        rows=len(results),
+        answered=sum(r.ok for r in results),
+        error_rows=sum(not r.ok and bool(r.error) for r in results),
+        seconds=round(seconds, 2),
+    )

@@ -197,9 +197,11 @@ def test_only_globally_routable_addresses_are_fetched(address):
     """Shared (100.64.0.0/10, where one cloud keeps its metadata endpoint at 100.100.100.200), documentation
     and private ranges are refused as loopback is, before any connection."""
     from airflow_provider_rayllm.job.requests.images import image_url
+    from tests.integration.helpers import record_figure
 
     with pytest.raises(ValueError, match="not a public address"):
         image_url(f"http://{address}/cat.png")
+    record_figure("image_fetch_not_public", merge=True, **{f"refused {address}": True})
 
 
 def _dripping_server(interval_s: float):
@@ -238,7 +240,11 @@ def test_a_server_that_drips_one_byte_at_a_time_is_an_error_row_in_bounded_time(
             images.image_url(f"http://127.0.0.1:{listener.getsockname()[1]}/cat.png", allow_private=True)
     finally:
         listener.close()
-    assert time.monotonic() - started < 5
+    seconds = time.monotonic() - started
+    assert seconds < 5
+    from tests.integration.helpers import record_figure
+
+    record_figure("image_server_drips", seconds_to_error=round(seconds, 2), deadline_s=images.FETCH_DEADLINE_S)
 
 
 def test_the_fetch_connects_to_the_address_it_checked(monkeypatch):
@@ -406,6 +412,15 @@ def test_an_image_path_outside_the_inputs_folder_is_an_error_row_and_inside_is_r
     assert inside[PRE_ERROR] == "" and _json.loads(inside[REQUEST])["messages"][0]["content"][0]["type"] == "image_url"
     outside = builder({"id": 2, "q": "What color?", "img": str(elsewhere)})
     assert "outside image_path_prefixes" in outside[PRE_ERROR]
+    from tests.integration.helpers import record_figure
+
+    rows = [inside, outside]
+    record_figure(
+        "image_path_outside_prefixes",
+        rows=len(rows),
+        read=sum(r[PRE_ERROR] == "" for r in rows),
+        error_rows=sum(bool(r[PRE_ERROR]) for r in rows),
+    )
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,11 @@ def test_a_server_that_never_answers_ends_the_connect_within_its_deadline(dialec
     seconds = time.monotonic() - started
     assert seconds < 10, f"{dialect}: the connect waited {seconds:.1f} s"
     assert "timeout" in str(failed.value).lower() or "timed out" in str(failed.value).lower(), failed.value
+    from tests.integration.helpers import record_figure
+
+    record_figure(
+        f"sql_server_silent_{dialect}", seconds_to_error=round(seconds, 2), deadline_s=databases.CONNECT_TIMEOUT_S
+    )
 
 
 def test_the_postgres_deadlines_are_the_jobs_unless_the_connection_sets_its_own():

@@ -187,7 +187,18 @@ def test_a_table_larger_than_a_chunk_is_fetched_a_chunk_at_a_time_from_a_server_
             reader.close()  # a reader left open would hold its lock on the table past the DROP below
             _run(dialect, f"DROP TABLE IF EXISTS {table}")
     assert [b.num_rows for b in blocks] == [fetch] * math.ceil(rows / fetch), "one block per fetch of 500 rows"
-    assert sorted(i for b in blocks for i in b.column("id").to_pylist()) == list(range(rows))
+    ids = [i for b in blocks for i in b.column("id").to_pylist()]
+    assert sorted(ids) == list(range(rows))
+    from tests.integration.helpers import record_figure
+
+    record_figure(
+        f"sql_chunks_{dialect}",
+        rows=rows,
+        rows_read=len(ids),
+        duplicate_rows=len(ids) - len(set(ids)),
+        blocks=len(blocks),
+        rows_per_fetch=fetch,
+    )
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
@@ -230,3 +241,14 @@ def test_rows_changed_while_the_read_runs_are_neither_lost_nor_read_twice(uris, 
     read = [row for b in blocks for row in b.to_pylist()]
     assert sorted(r["id"] for r in read) == list(range(ROWS)), "each row of the table as it was, once"
     assert not [r for r in read if r["region"] is not None and r["region"].endswith("-moved")], "no changed row"
+    from tests.integration.helpers import record_figure
+
+    ids = [r["id"] for r in read]
+    record_figure(
+        f"sql_snapshot_{dialect}",
+        rows=ROWS,
+        rows_read=len(ids),
+        rows_lost=ROWS - len(set(ids) & set(range(ROWS))),
+        duplicate_rows=len(ids) - len(set(ids)),
+        readers=len(queries),
+    )

@@ -83,9 +83,21 @@ def test_an_overwrite_leaves_no_file_of_the_old_model(tmp_path):
     new = model(tmp_path, "b", b"v" * 10)
     (new / "sub" / "tokenizer.json").unlink()
     (new / "merges.txt").write_text("a b")
+    old_files = listed(dest)
     replaced = upload.run(spec(new, dest, overwrite=True), "s2")
     assert replaced["removed_files"] == ["sub/tokenizer.json"]
     assert listed(dest) == sorted([f["path"] for f in replaced["files"]] + [upload.MODEL_MANIFEST])
+    from tests.integration.helpers import record_figure
+
+    new_files = {f["path"] for f in replaced["files"]} | {upload.MODEL_MANIFEST}
+    record_figure(
+        "model_overwrite",
+        old_model_files=len(old_files),
+        new_model_files=len(new_files),
+        files_under_the_prefix=len(listed(dest)),
+        old_files_left=len([f for f in listed(dest) if f in old_files and f not in new_files]),
+        unverified_files=len(upload.verify(*upload.filesystems.filesystem_for(str(dest)), replaced["files"])),
+    )
 
 
 def test_a_stray_file_under_the_model_is_removed_not_skipped_over(tmp_path):
