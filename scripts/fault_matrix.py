@@ -62,12 +62,16 @@ def _stopped(n: str) -> Callable[[Figures], tuple[Any, Any, Any, Any]]:
     return lambda f: (f.get(n), 0 if n in f else None, None, None)
 
 
-def _accounted(f: Figures, answered: Any, errored: Any) -> tuple[Any, Any, Any, Any]:
+def _accounted(answered: str, errored: str) -> Callable[[Figures], tuple[Any, Any, Any, Any]]:
     """Rows in; out = answered + error rows (an error row is published with its reason); lost = the rest."""
-    if None in (f.get("rows"), answered, errored):
-        return f.get("rows"), None, None, None
-    out = answered + errored
-    return f["rows"], out, f["rows"] - out, 0
+
+    def get(f: Figures) -> tuple[Any, Any, Any, Any]:
+        if None in (f.get("rows"), f.get(answered), f.get(errored)):
+            return f.get("rows"), None, None, None
+        out = f[answered] + f[errored]
+        return f["rows"], out, f["rows"] - out, 0
+
+    return get
 
 
 def _refused(f: Figures) -> list[str]:
@@ -236,7 +240,7 @@ FAULTS: list[Fault] = [
         "a local endpoint answers one row with a body over `max_response_bytes=4096`, one with latin-1 bytes",
         "test_http_client::test_a_body_over_the_cap_or_not_utf8_is_an_error_row_for_that_row_only",
         "http_response_bounds",
-        rows=lambda f: _accounted(f, f.get("answered"), f.get("error_rows")),
+        rows=_accounted("answered", "error_rows"),
         seconds=_key("seconds"),
         detail=lambda f: f"{f.get('error_rows')} error rows, {f.get('answered')} answered",
     ),
@@ -246,7 +250,7 @@ FAULTS: list[Fault] = [
         "`image_column` URL `http://<address>/cat.png`, one address a case",
         "test_prompts::test_only_globally_routable_addresses_are_fetched",
         "image_fetch_not_public",
-        rows=lambda f: (len(_refused(f)), len(_refused(f)), 0, 0),
+        rows=lambda f: (len(_refused(f)),) * 2 + (0, 0),
         detail=lambda f: "refused before any connection: " + ", ".join(_refused(f)),
     ),
     Fault(
@@ -255,7 +259,7 @@ FAULTS: list[Fault] = [
         "`image_column` naming a file beside the inputs folder",
         "test_prompts::test_an_image_path_outside_the_inputs_folder_is_an_error_row_and_inside_is_read",
         "image_path_outside_prefixes",
-        rows=lambda f: _accounted(f, f.get("read"), f.get("error_rows")),
+        rows=_accounted("read", "error_rows"),
         detail=lambda f: f"{f.get('error_rows')} error row, {f.get('read')} read",
     ),
     Fault(
@@ -277,7 +281,7 @@ FAULTS: list[Fault] = [
             "every row moved to another shard, 40 deleted, 40 inserted while the read is paused",
             "test_sql_reads::test_rows_changed_while_the_read_runs_are_neither_lost_nor_read_twice",
             f"sql_snapshot_{dialect}",
-            rows=lambda f: (f.get("rows"), f.get("rows_read"), f.get("rows_lost"), f.get("duplicate_rows")),
+            rows=_rows("rows", "rows_read", lost="rows_lost", dup="duplicate_rows"),
             detail=lambda f: f"{f.get('readers')} reader(s) in one snapshot",
         )
         for dialect in ("postgresql", "mysql", "sqlite")

@@ -73,9 +73,11 @@ def serve_app(ray_conn, test_home, smollm2):
         return [a["class_name"] for a in actors if a.get("class_name") in SERVE_ACTORS and a.get("state") != "DEAD"]
 
     deadline = time.time() + 30  # the state API learns of an actor's death a moment after it
-    while alive() and time.time() < deadline:
+    left = alive()
+    while left and time.time() < deadline:
         time.sleep(1)
-    assert alive() == [], f"Serve's actors still alive after its last application was deleted: {alive()}"
+        left = alive()
+    assert left == [], f"Serve's actors still alive after its last application was deleted: {left}"
 
 
 def _job_log(manifest) -> str:
