@@ -19,6 +19,14 @@ fatal error types, which matter in the engine actors alone. ``install_driver`` l
 vLLM's imports refused (the module keeps empty tuples then, as on a node without vLLM); the actors import it
 themselves, with vLLM.
 
+Two more of Ray's modules import torch for what only the engine actors do: its model-download module
+(``download_model_files`` asks ``torch.hub`` where torch's cache is, to make its ``kernels`` folder; the driver
+calls it once, to read the model's config for the telemetry below) and its vLLM stage module (which turns
+bf16 embeddings into float32). In the driver torch's import cost about 2 CPU-s and as many seconds before
+the first engine was asked for. ``install_driver`` loads both with ``_LazyTorch`` as their ``torch``: torch's
+cache folder named without torch, and any other name loading the real package. The actors import the
+modules themselves, with torch.
+
 The same builder imports transformers in the driver only to read the model's architecture for Ray's usage
 telemetry (``AutoConfig.from_pretrained``, inside a ``try``): transformers' import and its config classes cost
 the driver about 4.5 CPU-s and as many seconds before the first engine is asked for.
@@ -42,6 +50,10 @@ from typing import Any, Iterator
 MOVED = {"vllm.entrypoints.chat_utils": "vllm.renderers.chat_utils"}
 # Ray's module that imports vLLM only for its error types (see the module's docstring).
 RAY_ERRORS = "ray.llm._internal.common.errors"
+# Ray's modules that import torch for what only the engine actors do (see the module's docstring).
+RAY_DOWNLOADS = "ray.llm._internal.common.utils.download_utils"
+RAY_VLLM_STAGE = "ray.llm._internal.batch.stages.vllm_engine_stage"
+RAY_TORCH_NAMERS = (RAY_DOWNLOADS, RAY_VLLM_STAGE)
 # Set (to "1") in a one-worker engine's runtime_env: its engine core is forked, not spawned.
 FORK_ENV = "RAYLLM_FORK_ENGINE_CORE"
 SYSTEM_UTILS = "vllm.utils.system_utils"
@@ -179,6 +191,54 @@ class _ErrorsWithoutVllm(_Wrapping):
             sys.meta_path.remove(refuse)
 
 
+def _torch_home() -> str:
+    """Where torch keeps its cache: ``$TORCH_HOME``, else ``torch`` under ``$XDG_CACHE_HOME`` (``~/.cache``)."""
+    cache = os.getenv("XDG_CACHE_HOME", os.path.join("~", ".cache"))
+    return os.path.expanduser(os.getenv("TORCH_HOME", os.path.join(cache, "torch")))
+
+
+def _real_torch() -> Any:
+    if isinstance(sys.modules.get("torch"), _LazyTorch):
+        del sys.modules["torch"]
+    return importlib.import_module("torch")
+
+
+class _LazyTorch(types.ModuleType):
+    """A ``torch`` whose ``hub._get_torch_home`` needs no torch; any other name loads the real package."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.hub = types.SimpleNamespace(_get_torch_home=_torch_home)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # what introspection asks every module
+            raise AttributeError(name)
+        return getattr(_real_torch(), name)
+
+
+class _WithLazyTorch(_Wrapping):
+    """Loads ``RAY_TORCH_NAMERS`` with ``_LazyTorch`` as their ``torch`` unless the real torch is loaded already
+    (then as they are)."""
+
+    def wants(self, fullname: str) -> bool:
+        return fullname in RAY_TORCH_NAMERS and not _torch_loaded()
+
+    def exec_module(self, module: Any) -> None:
+        stand_in = sys.modules.get("torch")
+        ours = not isinstance(stand_in, _LazyTorch)  # an outer load may have put it there already
+        if ours:
+            stand_in = sys.modules["torch"] = _LazyTorch()
+        try:
+            self._loader.exec_module(module)
+        finally:
+            if ours and sys.modules.get("torch") is stand_in:
+                del sys.modules["torch"]
+
+
+def _torch_loaded() -> bool:
+    return "torch" in sys.modules and not isinstance(sys.modules["torch"], _LazyTorch)
+
+
 def _real_transformers() -> Any:
     if isinstance(sys.modules.get("transformers"), _ConfigOnlyTransformers):
         del sys.modules["transformers"]
@@ -228,10 +288,12 @@ def config_only_transformers() -> Iterator[None]:
 
 
 def install_driver() -> None:
-    """``install``, and Ray's error types loaded without vLLM: for the job's driver process only."""
+    """``install``, Ray's error types loaded without vLLM and its torch-naming modules without torch: for the
+    job's driver process only."""
     install()
-    if not any(isinstance(f, _ErrorsWithoutVllm) for f in sys.meta_path):
-        sys.meta_path.insert(0, _ErrorsWithoutVllm())
+    for finder in (_ErrorsWithoutVllm, _WithLazyTorch):
+        if not any(isinstance(f, finder) for f in sys.meta_path):
+            sys.meta_path.insert(0, finder())
 
 
 def install() -> None:

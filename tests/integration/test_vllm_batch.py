@@ -301,12 +301,13 @@ def test_the_drivers_checks_import_neither_vllm_nor_torch(ray_conn, smollm2, tes
     """The driver's checks read the model's config files and vLLM's source: importing vLLM (and torch with
     it) cost every job tens of seconds before a bad setting was refused. Judged in a fresh driver process
     with the settings a test DAG gives, and with sampling and length settings it must still refuse. Building
-    Ray's processor next imports torch (Ray's engine stage module names it), but neither vLLM nor
-    transformers, which Ray's builder imports only to read the model's architecture for its telemetry."""
+    Ray's processor next imports none of them either: not torch (Ray's stage and download modules name it for
+    what the engine actors do), nor transformers, which Ray's builder imports only to read the model's
+    architecture for its telemetry."""
     (plain,) = _preflight(ray_conn, smollm2, test_home, [{}], build=True)
     assert plain["error"] is None, plain["error"]
     assert plain["heavy"] == [], f"the driver imported {plain['heavy']} for the plain settings"
-    assert plain["built"] == ["torch"], f"building Ray's processor imported {plain['built']}"
+    assert plain["built"] == [], f"building Ray's processor imported {plain['built']}"
     bad = [{"sampling_params": {"temperature": -1}}, {"engine_kwargs": {"max_model_len": 9000}}]
     refused = _preflight(ray_conn, smollm2, test_home, bad)
     assert "temperature must be non-negative" in refused[0]["error"], refused[0]["error"]

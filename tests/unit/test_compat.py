@@ -56,37 +56,64 @@ def test_vllms_engine_core_is_forked_only_where_the_engines_settings_ask():
 
 
 _DRIVER_IMPORTS = """
-import sys
+import json, logging, sys
 from airflow_provider_rayllm.job import compat
 compat.install_driver()
 from ray.llm._internal.batch.stages import vllm_engine_stage  # what building Ray's vLLM processor imports
 from ray.llm._internal.common import errors
-print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")), errors.VLLM_FATAL_ERRORS)
+from ray.llm._internal.common.utils import download_utils
+vllm = sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))
+torch = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+home = download_utils.torch.hub._get_torch_home()  # what download_model_files asks (the driver calls it)
+torch_after = "torch" in sys.modules
+print(json.dumps([vllm, list(errors.VLLM_FATAL_ERRORS), torch, home, torch_after]))
 """
 
 
-def test_the_driver_builds_rays_vllm_stage_without_importing_vllm():
-    """Ray's stage module imports its errors module, which imports all of vLLM for two exception types: the
-    driver loads it with vLLM refused (empty tuples); the engine actors, which import it with plain
-    ``install``, keep vLLM's types."""
+def test_the_driver_builds_rays_vllm_stage_without_importing_vllm_or_torch():
+    """Ray's stage module imports its errors module, which imports all of vLLM for two exception types, and
+    torch (itself and through its download module, which names torch's cache folder): the driver loads the
+    first with vLLM refused (empty tuples) and the others with a stand-in torch (the folder named as torch
+    names it); the engine actors, which import them with plain ``install``, keep vLLM's types and torch."""
+    import json
+    import os
     import subprocess
     import sys
 
     from airflow_provider_rayllm.job import compat
 
-    done = subprocess.run([sys.executable, "-c", _DRIVER_IMPORTS], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "[] ()"
+    for env in ({}, {"TORCH_HOME": "/srv/torch-home"}, {"XDG_CACHE_HOME": "/srv/cache"}):
+        run_env = {k: v for k, v in os.environ.items() if k not in ("TORCH_HOME", "XDG_CACHE_HOME")} | env
+        done = subprocess.run(
+            [sys.executable, "-c", _DRIVER_IMPORTS], capture_output=True, text=True, timeout=300, env=run_env
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        vllm, fatal, torch, home, torch_after = json.loads(done.stdout.strip().splitlines()[-1])
+        assert (vllm, fatal, torch, torch_after) == ([], [], [], False)
+        real = subprocess.run(
+            [sys.executable, "-c", "import torch.hub; print(torch.hub._get_torch_home())"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=run_env,
+            check=True,
+        ).stdout.strip()
+        assert home == real, (env, home, real)
 
     compat.install()  # what the engine actors' setup hook runs
-    assert not any(isinstance(f, compat._ErrorsWithoutVllm) for f in sys.meta_path)
-    compat.install_driver()  # and in a process that has vLLM loaded, the types are vLLM's
+    assert not any(isinstance(f, (compat._ErrorsWithoutVllm, compat._WithLazyTorch)) for f in sys.meta_path)
+    compat.install_driver()  # and in a process that has vLLM loaded, the types are vLLM's, torch is torch
+    import torch
     import vllm.v1.engine.exceptions
 
     sys.modules.pop(compat.RAY_ERRORS, None)
     errors = importlib.import_module(compat.RAY_ERRORS)
     assert errors.VLLM_FATAL_ERRORS == (vllm.v1.engine.exceptions.EngineDeadError,)
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, compat._ErrorsWithoutVllm)]
+    for name in compat.RAY_TORCH_NAMERS:
+        sys.modules.pop(name, None)
+        assert importlib.import_module(name).torch is torch
+    drivers = (compat._ErrorsWithoutVllm, compat._WithLazyTorch)
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, drivers)]
 
 
 _CONFIG_ONLY = """
