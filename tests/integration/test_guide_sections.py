@@ -187,6 +187,9 @@ def test_the_memory_faq_levers_reach_the_engine(quickstart_run):
     assert "its worker runs in the engine core process" in logs
     assert re.search(r"\(EngineCore pid=\d+\)[^\n]*Starting to load model", logs), "the model loaded elsewhere"
     assert not re.search(r"\((Vllm)?Worker(-\d+)? pid=\d+\)", logs), "a separate vLLM worker process started"
+    # SmolLM2's chat template applied in the request step: no chat-template actor (transformers and torch) ran.
+    assert "the chat template applied in the request step" in logs
+    assert "ChatTemplateUDF" not in logs, "Ray's chat-template stage ran"
 
 
 def _guide(dag_id: str, task_id: str, conf: dict, day: int) -> dict:

@@ -10,6 +10,7 @@ from airflow_provider_rayllm.contract.spec import JobSpec
 from airflow_provider_rayllm.job.budget import Prices
 from airflow_provider_rayllm.job.compat import FORK_ENV
 from airflow_provider_rayllm.job.engines.base import Engine
+from airflow_provider_rayllm.job.engines.vllm import chat_template
 from airflow_provider_rayllm.job.engines.vllm.checks import (
     check_engine_kwargs,
     check_lora_adapters,
@@ -50,6 +51,7 @@ class VLLMEngine(Engine):
         assert spec.processor is not None
         self.p = spec.processor
         self.labels: list[str] | None = None  # a classify model's class names, read by check()
+        self.template: chat_template.ChatTemplate | None = None  # applied in the request step; set by check()
 
     def check(self) -> None:
         p = self.p
@@ -79,6 +81,7 @@ class VLLMEngine(Engine):
         check_parallel(self.profile, self.engine_kwargs, self.placement)
         check_engine_kwargs(p.model_source, self.engine_kwargs)
         self.feed = feed_for(p, self.engine_kwargs)
+        self.template = chat_template.find(p, self.engine_kwargs)
         if p.task_type == "generate" and self.spec.prompt.preprocess is None:
             check_sampling_params(self.spec.prompt.sampling_params)
         self.gpus = gpus
@@ -89,6 +92,8 @@ class VLLMEngine(Engine):
         layout = "; its worker runs in the engine core process" if env.get(ONE_PROCESS_ENV) == "0" else ""
         if env.get(FORK_ENV) == "1":
             layout += ", forked from the engine's Ray actor"
+        if self.template is not None:
+            layout += "; the chat template applied in the request step"
         return (
             f"vLLM engine for {self.p.model_source} ({self.p.task_type}), profile {self.profile} (cluster GPUs: {self.gpus:g}){layout}; "
             f"engine_kwargs {redact(self.engine_kwargs)}; placement {self.placement}; {self.p.concurrency} replica(s), "
@@ -121,7 +126,7 @@ class VLLMEngine(Engine):
         # The engines are asked for when this lazy plan starts, moments later; a canary's plan comes first and
         # its engines count too.
         self.requested_at = getattr(self, "requested_at", None) or time.time()
-        return build(self.p, self.profile, self.engine_kwargs, self.placement, self.feed)(ds)
+        return build(self.p, self.profile, self.engine_kwargs, self.placement, self.feed, self.template)(ds)
 
     def shaper(self) -> Shaper:
         return VLLMShaper(self.spec, self.package_dir, self.labels)
@@ -186,6 +191,7 @@ class VLLMEngine(Engine):
             for name in ("prepare_multimodal_stage", "chat_template_stage", "tokenize_stage", "detokenize_stage")
             if getattr(p, name) is not False
             and (p.task_type == "generate" or name not in ("chat_template_stage", "detokenize_stage"))
+            and not (name == "chat_template_stage" and self.template is not None)
         ]
 
     def versions(self) -> dict[str, str]:

@@ -40,7 +40,7 @@ def model_max_len(model_source: str, engine_kwargs: dict[str, Any]) -> int | Non
     the engine then judges ``max_model_len`` itself."""
     if is_local_path(model_source) and not os.path.isdir(os.path.expanduser(model_source.removeprefix("file://"))):
         return None  # check_model_source names it
-    with _readable_config(model_source, engine_kwargs) as folder:
+    with readable_config(model_source, engine_kwargs) as folder:
         config = read_json(folder, "config.json")
         if config is None:
             log.warning("could not read %s's config.json; max_model_len is not capped", model_source)
@@ -103,7 +103,7 @@ def _rope_parameters(config: dict[str, Any]) -> list[dict[str, Any]]:
 def model_labels(model_source: str) -> list[str] | None:
     """A sequence-classification model's class names, in output order (its config's ``id2label``); None
     when the config has none or cannot be read."""
-    with _readable_config(model_source, {}) as folder:
+    with readable_config(model_source, {}) as folder:
         id2label = (read_json(folder, "config.json") or {}).get("id2label") or {}
         try:
             return [str(id2label[str(i)]) for i in range(len(id2label))]
@@ -123,14 +123,15 @@ def read_json(folder: str | None, name: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-class _readable_config:
+class readable_config:
     """The model's config files in a local folder: a local model's own, a bucket model's copied to a temp
     folder, a Hub model's fetched (with the job's HF token and endpoint); None if they cannot be had."""
 
     FILES = ("config.json", "sentence_bert_config.json", "tokenizer_config.json", "generation_config.json")
 
-    def __init__(self, model_source: str, engine_kwargs: dict[str, Any]):
+    def __init__(self, model_source: str, engine_kwargs: dict[str, Any], extra: tuple[str, ...] = ()):
         self.model_source, self.engine_kwargs, self.tmp = model_source, engine_kwargs, None
+        self.files = (*self.FILES, *extra)
 
     def __enter__(self) -> str | None:
         source = self.model_source
@@ -148,7 +149,7 @@ class _readable_config:
     def _copy_from_bucket(self, into: str) -> None:
         from airflow_provider_rayllm.job import filesystems
 
-        for name in self.FILES:
+        for name in self.files:
             fs, path = filesystems.filesystem_for(filesystems.join(self.model_source.rstrip("/"), name))
             try:
                 with fs.open_input_stream(path) as src, open(os.path.join(into, name), "wb") as dst:
@@ -163,7 +164,7 @@ class _readable_config:
         except ImportError:
             return
         revision = self.engine_kwargs.get("revision")
-        for name in self.FILES:
+        for name in self.files:
             try:
                 hf_hub_download(self.model_source, name, revision=revision, local_dir=into)
             except Exception as exc:  # absent file, no network, gated without a token: the engine says more

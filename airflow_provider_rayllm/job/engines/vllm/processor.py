@@ -10,6 +10,7 @@ from typing import Any
 
 from airflow_provider_rayllm.contract.spec import VLLMProcessorSpec
 from airflow_provider_rayllm.job.compat import config_only_transformers
+from airflow_provider_rayllm.job.engines.vllm.chat_template import ChatTemplate
 from airflow_provider_rayllm.job.engines.vllm.settings import CPU_STAGE_NUM_CPUS, Feed, engine_runtime_env
 from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, LIGHT, PRE_ERROR, REQUEST
 
@@ -24,18 +25,26 @@ def _stage(value: bool | dict[str, Any], profile: str) -> bool | dict[str, Any]:
     return stage
 
 
-def unpack_request(row: dict[str, Any], engine_detokenizes: bool = True) -> dict[str, Any]:
+def unpack_request(
+    row: dict[str, Any], engine_detokenizes: bool = True, template: ChatTemplate | None = None
+) -> dict[str, Any]:
     """Ray's preprocess: our request, unpacked; a row that could not be prompted carries its reason in
     Ray's error column, so every stage of the processor passes it through untouched.
 
     When the engine makes the text (no detokenize stage), a request's ``detokenize: False`` (the guide's
     VLM preprocess sets it, leaving the text to Ray's detokenize stage) is dropped: kept, it would leave
-    every answer empty."""
+    every answer empty. With ``template`` (``chat_template.find``), a request's messages become its prompt
+    here, in place of Ray's chat-template stage; a conversation the template refuses is that row's error."""
     error = row.pop(PRE_ERROR, "")
     body = row.pop(REQUEST, "{}")
     if error:
         return {ERROR: error}
     request = json.loads(body)
+    if template is not None and "messages" in request:
+        try:
+            request["prompt"] = template.render(request.pop("messages"))
+        except Exception as exc:  # the template's own raise_exception, or a conversation it cannot render
+            return {ERROR: f"chat template: {type(exc).__name__}: {exc}"}
     params = request.get("sampling_params")
     if engine_detokenizes and isinstance(params, dict) and params.get("detokenize") is False:
         del params["detokenize"]
@@ -49,7 +58,10 @@ def build(
     engine_kwargs: dict[str, Any],
     placement: dict[str, Any] | None,
     feed: Feed,
+    template: ChatTemplate | None = None,
 ) -> Any:
+    """Ray's vLLM processor; with ``template`` the chat template is applied in its preprocess, and Ray's
+    chat-template stage (an actor that imports transformers) is left out."""
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
     detokenize = _stage(spec.detokenize_stage if spec.task_type == "generate" else False, profile)
@@ -65,7 +77,9 @@ def build(
         max_tasks_in_flight_per_actor=spec.max_tasks_in_flight_per_actor,
         max_pending_requests=feed.max_pending_requests,
         placement_group_config=placement,
-        chat_template_stage=_stage(spec.chat_template_stage if spec.task_type == "generate" else False, profile),
+        chat_template_stage=_stage(
+            spec.chat_template_stage if spec.task_type == "generate" and template is None else False, profile
+        ),
         tokenize_stage=_stage(spec.tokenize_stage, profile),
         detokenize_stage=detokenize,
         prepare_multimodal_stage=_stage(spec.prepare_multimodal_stage, profile),
@@ -83,7 +97,7 @@ def build(
     with config_only_transformers():  # Ray reads the model's architecture for its telemetry only
         processor = build_processor(
             config,
-            preprocess=functools.partial(unpack_request, engine_detokenizes=not detokenize_on),
+            preprocess=functools.partial(unpack_request, engine_detokenizes=not detokenize_on, template=template),
             preprocess_map_kwargs=LIGHT,
             postprocess_map_kwargs=LIGHT,
             builder_kwargs=builder_kwargs,
