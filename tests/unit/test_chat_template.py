@@ -46,6 +46,19 @@ TEMPLATES = {
         "{% if loop.index > 8 %}{% break %}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}[A]{% endif %}{% if style is defined %}<{{ style }}>{% endif %}"
     ),
+    # Block tags on lines of their own, indented: trim_blocks and lstrip_blocks decide every newline here.
+    "line_blocks": (
+        "{% for message in messages %}\n"
+        "  {% if message['role'] == 'system' %}\n"
+        "SYSTEM: {{ message['content'] }}\n"
+        "  {% else %}\n"
+        "{{ message['role'] }}: {{ message['content'] }}\n"
+        "  {% endif %}\n"
+        "{% endfor %}\n"
+        "{% if add_generation_prompt %}\n"
+        "assistant:\n"
+        "{% endif %}"
+    ),
 }
 
 
