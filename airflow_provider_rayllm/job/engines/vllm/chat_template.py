@@ -49,11 +49,8 @@ class ChatTemplate:
             raise ValueError("the conversation has no message")
         template = _compiled(self.source)
         if messages[-1].get("role") == "user":
-            return template.render(messages=messages, add_generation_prompt=True, **self._variables())
+            return template.render(messages=messages, add_generation_prompt=True, **self.variables)
         return self._continued(template, messages)
-
-    def _variables(self) -> dict[str, Any]:
-        return {"tools": None, "documents": None, **self.variables}
 
     def _continued(self, template: Any, messages: list[dict[str, Any]]) -> str:
         """The conversation rendered with its last message left open (an assistant's prefill, continued)."""
@@ -76,7 +73,7 @@ class ChatTemplate:
         else:
             text = content
             last["content"] = content + _CONTINUE_TAG
-        rendered = template.render(messages=[*messages[:-1], last], add_generation_prompt=False, **self._variables())
+        rendered = template.render(messages=[*messages[:-1], last], add_generation_prompt=False, **self.variables)
         tag = _CONTINUE_TAG.strip()
         if text.strip() not in rendered or tag not in rendered:
             raise ValueError("the chat template drops part of the last message, which is to be continued")
@@ -136,10 +133,9 @@ def _token(value: Any) -> str | None:
     return None
 
 
-def special_tokens(folder: str) -> dict[str, str]:
-    """The tokenizer's named special tokens as transformers reads them: ``tokenizer_config.json``'s, and where
-    that file lists no ``added_tokens_decoder`` (the older layout), ``special_tokens_map.json``'s over them."""
-    config = read_json(folder, "tokenizer_config.json") or {}
+def special_tokens(folder: str, config: dict[str, Any]) -> dict[str, str]:
+    """The tokenizer's named special tokens as transformers reads them: ``config`` (its ``tokenizer_config.json``)'s,
+    and where that file lists no ``added_tokens_decoder`` (the older layout), ``special_tokens_map.json``'s over them."""
     layers = [config] if "added_tokens_decoder" in config else [config, read_json(folder, "special_tokens_map.json")]
     tokens: dict[str, str] = {}
     for layer in layers:
@@ -150,15 +146,15 @@ def special_tokens(folder: str) -> dict[str, str]:
     return tokens
 
 
-def model_templates(folder: str) -> str | dict[str, str] | None:
-    """The folder's chat template(s): ``chat_template.jinja``, else ``tokenizer_config.json``'s (a string, or
-    named templates)."""
+def model_templates(folder: str, config: dict[str, Any]) -> str | dict[str, str] | None:
+    """The folder's chat template(s): ``chat_template.jinja``, else ``config`` (its ``tokenizer_config.json``)'s
+    (a string, or named templates)."""
     try:
         with open(os.path.join(folder, "chat_template.jinja"), encoding="utf-8") as handle:
             return handle.read()
     except OSError:
         pass
-    template = (read_json(folder, "tokenizer_config.json") or {}).get("chat_template")
+    template = config.get("chat_template")
     if isinstance(template, str):
         return template
     if isinstance(template, list):
@@ -196,10 +192,13 @@ def find(spec: VLLMProcessorSpec, engine_kwargs: dict[str, Any]) -> ChatTemplate
     with readable_config(model, engine_kwargs, extra=("special_tokens_map.json", "chat_template.jinja")) as folder:
         if folder is None:
             return None
-        source = choose(model_templates(folder), given)
+        config = read_json(folder, "tokenizer_config.json") or {}
+        source = choose(model_templates(folder, config), given)
         if source is None:
             return None
-        variables = {**special_tokens(folder), **(spec.chat_template_kwargs or {})}
+        # What transformers gives every template besides the conversation; the job's kwargs over them.
+        variables = {"tools": None, "documents": None, **special_tokens(folder, config)}
+        variables.update(spec.chat_template_kwargs or {})
     try:
         _compiled(source)
         names = _variables_read(source)
