@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -130,3 +131,53 @@ def test_unknown_engine_arguments_are_refused_without_vllm_and_nested_configs_by
     checks.check_engine_kwargs("/m", {"max_model_len": 256, "enforce_eager": True, "task_type": "generate"})
     with pytest.raises(JobError, match=r"engine_kwargs: vLLM refuses .*compilation_config"):
         checks.check_engine_kwargs("/m", {"compilation_config": {"no_such_option": 1}})
+
+
+HUB_CHECKS = """
+import sys
+from airflow_provider_rayllm.contract.spec import VLLMProcessorSpec
+from airflow_provider_rayllm.job.engines.vllm import chat_template, model_config
+
+repo = sys.argv[1]
+print(model_config.model_max_len(repo, {}))
+print(model_config.model_labels(repo))
+print(chat_template.find(VLLMProcessorSpec(model_source=repo), {}) is not None)
+"""
+
+
+def test_the_drivers_checks_fetch_each_config_file_of_a_hub_model_once(tmp_path):
+    """The driver's checks (the longest sequence, a classifier's labels, the chat template) each read the model's
+    config files; a Hub (or bucket) model's are fetched once for all of them. The Hub is the tests' loopback one,
+    gated, and it logs every request."""
+    import secrets
+    import shutil
+    import subprocess
+    import sys
+    from collections import Counter
+
+    from airflow_provider_rayllm.local.models import smollm2_path
+    from tests.integration.services import hf_hub_server
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_path() / name, folder / name)
+    token = f"hf_{secrets.token_hex(8)}"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with hf_hub_server(logs, "rayllm-test/checks", folder, token) as (hub_url, requests_log):
+        env = {**os.environ, "HF_ENDPOINT": hub_url, "HF_TOKEN": token, "HF_HOME": str(tmp_path / "hf-home")}
+        out = subprocess.run(
+            [sys.executable, "-c", HUB_CHECKS, "rayllm-test/checks"], env=env, capture_output=True, text=True
+        )
+        requests = [json.loads(line) for line in requests_log.read_text().splitlines()]
+    assert out.returncode == 0, out.stderr[-3000:]
+    length, labels, template = out.stdout.split()
+    # The answers are those read from the files (SmolLM2's config and its template), so the fetch worked.
+    assert int(length) == json.loads((folder / "config.json").read_text())["max_position_embeddings"]
+    assert (labels, template) == ("[]", "True")
+    downloads = Counter(
+        r["path"].rsplit("/", 1)[-1] for r in requests if r["method"] == "GET" and "/resolve/" in r["path"]
+    )
+    assert downloads["config.json"] == 1 and downloads["tokenizer_config.json"] == 1, downloads
+    assert max(downloads.values()) == 1, downloads

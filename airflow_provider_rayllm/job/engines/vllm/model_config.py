@@ -123,33 +123,54 @@ def read_json(folder: str | None, name: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+class _Copy:
+    """A bucket or Hub model's config files copied into one temp folder, and the names already asked for (a
+    file the source lacks is asked for once too). Removed when the process ends (the job's driver is one)."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self.tmp = tempfile.TemporaryDirectory(prefix="rayllm-config-")
+        self.asked: set[str] = set()
+
+
+# One copy per (model, revision) in this process: the driver's checks (the longest sequence, a classifier's
+# labels, the chat template) each read the config files, and a bucket or the Hub is asked for each file once.
+_COPIES: dict[tuple[str, Any], _Copy] = {}
+
+
 class readable_config:
     """The model's config files in a local folder: a local model's own, a bucket model's copied to a temp
-    folder, a Hub model's fetched (with the job's HF token and endpoint); None if they cannot be had."""
+    folder, a Hub model's fetched (with the job's HF token and endpoint); None if they cannot be had. A
+    bucket's or the Hub's files are copied once per process, whichever check asks first."""
 
     FILES = ("config.json", "sentence_bert_config.json", "tokenizer_config.json", "generation_config.json")
 
     def __init__(self, model_source: str, engine_kwargs: dict[str, Any], extra: tuple[str, ...] = ()):
-        self.model_source, self.engine_kwargs, self.tmp = model_source, engine_kwargs, None
+        self.model_source, self.engine_kwargs = model_source, engine_kwargs
         self.files = (*self.FILES, *extra)
 
     def __enter__(self) -> str | None:
         source = self.model_source
         if is_local_path(source):
             return os.path.expanduser(source.removeprefix("file://"))
-        import tempfile
+        bucket = uri_scheme(source) in ("s3", "gs", "gcs")
+        revision = None if bucket else self.engine_kwargs.get("revision")
+        copy = _COPIES.get((source, revision))
+        if copy is None:
+            copy = _COPIES[(source, revision)] = _Copy()
+        wanted = [name for name in self.files if name not in copy.asked]
+        copy.asked.update(wanted)
+        if wanted and bucket:
+            self._copy_from_bucket(copy.tmp.name, wanted)
+        elif wanted and not self._fetch_from_hub(copy.tmp.name, wanted, revision):
+            copy.asked.update(self.FILES)  # no config.json from the Hub: the others are worth no more waiting
+        return copy.tmp.name
 
-        self.tmp = tempfile.TemporaryDirectory(prefix="rayllm-config-")
-        if uri_scheme(source) in ("s3", "gs", "gcs"):
-            self._copy_from_bucket(self.tmp.name)
-        else:
-            self._fetch_from_hub(self.tmp.name)
-        return self.tmp.name
-
-    def _copy_from_bucket(self, into: str) -> None:
+    def _copy_from_bucket(self, into: str, names: list[str]) -> None:
         from airflow_provider_rayllm.job import filesystems
 
-        for name in self.files:
+        for name in names:
             fs, path = filesystems.filesystem_for(filesystems.join(self.model_source.rstrip("/"), name))
             try:
                 with fs.open_input_stream(path) as src, open(os.path.join(into, name), "wb") as dst:
@@ -157,21 +178,21 @@ class readable_config:
             except (OSError, FileNotFoundError):
                 continue
 
-    def _fetch_from_hub(self, into: str) -> None:
+    def _fetch_from_hub(self, into: str, names: list[str], revision: Any) -> bool:
+        """Fetch ``names``; False when config.json was among them and could not be had."""
         # huggingface_hub imports in a fraction of a second and reads HF_TOKEN / HF_ENDPOINT as vLLM does.
         try:
             from huggingface_hub import hf_hub_download
         except ImportError:
-            return
-        revision = self.engine_kwargs.get("revision")
-        for name in self.files:
+            return False
+        for name in names:
             try:
                 hf_hub_download(self.model_source, name, revision=revision, local_dir=into)
             except Exception as exc:  # absent file, no network, gated without a token: the engine says more
                 log.debug("could not fetch %s of %s from the Hub: %s", name, self.model_source, exc)
                 if name == "config.json":
-                    return  # the others are worth no more waiting
+                    return False
+        return True
 
     def __exit__(self, *exc: Any) -> None:
-        if self.tmp is not None:
-            self.tmp.cleanup()
+        pass
