@@ -25,6 +25,8 @@ SECRETS_FILE = "secrets.json"
 JOB_FILE = "rayllm-job.json"
 # Every worker process of a job runs this first: it loads the secrets file into its own environment.
 SETUP_HOOK = "airflow_provider_rayllm.job.worker_setup.setup"
+# In an engine actor's runtime_env: the bucket prefix its vLLM cache is copied from and saved to (the hook starts it).
+COMPILE_CACHE_ENV = "RAYLLM_COMPILE_CACHE"
 
 # Secrets, as environment variables of the job's processes (loaded from the secrets file).
 SQL_URI_ENV = "RAYLLM_SQL_URI"  # the source database, with its password

@@ -443,6 +443,25 @@ class VLLMProcessorSpec(_Strict):
         None, description="Adapter names rows may ask for (subfolders of dynamic_lora_loading_path)."
     )
 
+    @field_validator("compile_cache")
+    @classmethod
+    def _compile_cache(cls, value: str | None) -> str | None:
+        if value is None or uri_scheme(value) in ("s3", "gs", "gcs") and value.split("://", 1)[1].strip("/"):
+            return value
+        if "://" not in value and value.startswith("/"):
+            return value
+        raise ValueError(
+            f"compile_cache must be an s3:// or gs:// prefix or an absolute path on every engine node, got {value!r}"
+        )
+
+    @model_validator(mode="after")
+    def _one_cache_root(self) -> VLLMProcessorSpec:
+        if self.compile_cache and "VLLM_CACHE_ROOT" in ((self.runtime_env or {}).get("env_vars") or {}):
+            raise ValueError(
+                "compile_cache and runtime_env's VLLM_CACHE_ROOT both name vLLM's cache folder; give one of them"
+            )
+        return self
+
     @field_validator("lora_adapters")
     @classmethod
     def _adapter_names(cls, value: list[str] | None) -> list[str] | None:
@@ -461,6 +480,13 @@ class VLLMProcessorSpec(_Strict):
     log_engine_metrics: bool = Field(False, description="Export vLLM metrics through Ray's Prometheus endpoint.")
     usage_stats: bool = Field(
         False, description="Let Ray and vLLM send usage statistics (off: the engine gets the opt-out variables)."
+    )
+    compile_cache: str | None = Field(
+        None,
+        description="Where vLLM keeps what it compiles and learns of the model, for the next job's engines: an "
+        "s3:// or gs:// prefix (copied to each engine's node before the engine starts, and what the engine writes "
+        "saved back) or an absolute path every engine node mounts; default: vLLM's own folder on each node.",
+        json_schema_extra=arg(templated=True),
     )
     resource_profile: Literal["auto", "cpu", "gpu"] = Field(
         "auto",

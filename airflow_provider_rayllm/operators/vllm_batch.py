@@ -34,6 +34,7 @@ ENGINE_ONLY = (
     "dynamic_lora_loading_path",
     "lora_column",
     "accelerator_type",
+    "compile_cache",
 )
 
 
@@ -102,6 +103,7 @@ class VLLMBatchOperator(BatchOperator):
         price_per_hour: float | None = None,
         log_engine_metrics: bool = False,
         usage_stats: bool = False,
+        compile_cache: str | None = None,
         resource_profile: Literal["auto", "cpu", "gpu"] = "auto",
         apply_chat_template: bool | None = None,
         tokenize: bool | None = None,

@@ -198,9 +198,17 @@ def test_upload_then_infer_from_the_bucket_matches_the_local_folder(ray_conn, ai
 
 
 def test_infer_from_gcs_matches_the_local_folder(ray_conn, smollm2, gcs_conn, local_answers, tmp_path):
-    """gs:// weights: Ray's loader reads them with pyarrow's GCS client using the connection's keyfile."""
+    """gs:// weights: Ray's loader reads them with pyarrow's GCS client using the connection's keyfile. The
+    engine's vLLM cache lives in the same bucket (``compile_cache``): what vLLM wrote there while the engine
+    started (its inspection of the model's class) is saved under the prefix."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
     from airflow_provider_rayllm.local.defaults import DEMO_INPUT
     from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
+
+    cache = f"gs://gcs-models/vllm-cache-{tmp_path.name}"
 
     # The same destination as test_upload_to_gcs: skipped when that test ran first, uploaded otherwise.
     uploaded, _ = upload(smollm2, "gs://gcs-models/smol", task="gcs_chain", gcp_conn_id=gcs_conn)
@@ -212,12 +220,22 @@ def test_infer_from_gcs_matches_the_local_folder(ray_conn, smollm2, gcs_conn, lo
         gcp_conn_id=gcs_conn,
         deferrable=False,
         poll_interval=1.0,
+        compile_cache=cache,
         **QUICKSTART,
     )
     manifest = op.execute({"ti": StandInTI("upload_tests", "manual__gcs_chain", "answer_gcs")})
     assert manifest["model"] == "gs://gcs-models/smol"
     answers = {r["id"]: r["response"] for r in read_rows(manifest["output_files"])}
     assert len(answers) == 16 and answers == local_answers
+
+    # The engine actor restored the (empty) prefix before its engine started, and saved vLLM's own files to it.
+    log = RayJobHook().get_job_logs(manifest["submission_id"])
+    assert f"rayllm compile cache: restored 0 file(s) (0.0 MiB) from {cache}" in log, log[-3000:]
+    assert f"vLLM's cache in {cache}" in log, "the driver's engine line names the cache"
+    client = storage.Client(project="test", credentials=AnonymousCredentials())
+    prefix = cache.removeprefix("gs://gcs-models/") + "/"
+    saved = sorted(b.name.removeprefix(prefix) for b in client.list_blobs("gcs-models", prefix=prefix))
+    assert "modelinfos/vllm-model_executor-models-llama-LlamaForCausalLM.json" in saved, saved
 
 
 def test_missing_bucket_is_a_clear_failure_and_nothing_is_reported_uploaded(ray_conn, smollm2, s3):

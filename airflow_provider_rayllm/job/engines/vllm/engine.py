@@ -94,6 +94,8 @@ class VLLMEngine(Engine):
             layout += ", forked from the engine's Ray actor"
         if self.template is not None:
             layout += "; the chat template applied in the request step"
+        if self.p.compile_cache:
+            layout += f"; vLLM's cache in {self.p.compile_cache}"
         return (
             f"vLLM engine for {self.p.model_source} ({self.p.task_type}), profile {self.profile} (cluster GPUs: {self.gpus:g}){layout}; "
             f"engine_kwargs {redact(self.engine_kwargs)}; placement {self.placement}; {self.p.concurrency} replica(s), "

@@ -13,6 +13,7 @@ from typing import Any
 from airflow_provider_rayllm.contract.names import SECRET_MARKER
 from airflow_provider_rayllm.contract.spec import VLLMProcessorSpec
 from airflow_provider_rayllm.job.compat import FORK_ENV
+from airflow_provider_rayllm.job.engines.vllm import compile_cache
 from airflow_provider_rayllm.job.engines.vllm.hardware import GpuCard, cpu_has_native_half
 from airflow_provider_rayllm.job.engines.vllm.model_config import model_max_len
 from airflow_provider_rayllm.job.errors import JobError
@@ -186,8 +187,9 @@ USAGE_STATS_OPT_OUT = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "RAY_USA
 def engine_runtime_env(
     spec: VLLMProcessorSpec, profile: str = "gpu", engine_kwargs: dict[str, Any] | None = None
 ) -> dict[str, Any] | None:
-    """The user's runtime_env for the engine stage, plus the usage-statistics opt-out unless allowed and,
-    for several CPU workers, how their OpenMP threads share the node's cores."""
+    """The user's runtime_env for the engine stage, plus the usage-statistics opt-out unless allowed, for
+    several CPU workers how their OpenMP threads share the node's cores, and vLLM's cache root with
+    ``compile_cache``."""
     added: dict[str, str] = {} if spec.usage_stats else dict(USAGE_STATS_OPT_OUT)
     user_vars = (spec.runtime_env or {}).get("env_vars") or {}
     if (
@@ -203,6 +205,9 @@ def engine_runtime_env(
     one_worker = one_process_engine(engine_kwargs or {})
     if profile == "cpu" and one_worker and ONE_PROCESS_ENV not in user_vars:
         added[ONE_PROCESS_ENV] = "0"
+    if spec.compile_cache:
+        # vLLM's cache root: the given folder, or a node-local one that ``compile_cache`` fills from the bucket.
+        added.update(compile_cache.engine_env(spec.compile_cache))
     if one_worker:
         # The engine core forked from Ray's actor: no second import of torch and vLLM (see ``compat``; on
         # the H100 the spawned engine core took 19 s to its first line, the forked one under a second).
