@@ -26,6 +26,7 @@
 #                   of PREFIX_KV_BYTES (smaller than the documents), PREFIX_MAX_TOKENS out; grouped (the default
 #                   prefix_window_rows) then prefix_window_rows=0 (PREFIX_ORDER), same engine settings; the ratios in
 #                   results.json's phase `prefix`. PREFIX_MODEL=model (8B-shaped, dummy weights) or smollm2 (real)
+#   cache_carry     ourjob_gen twice with compile_cache on a folder, the node's caches emptied before each job
 #   ourjob_gen_spawn ourjob_gen with RAYLLM_FORK_ENGINE_CORE=0 (vLLM's spawn: a same-machine baseline for the fork)
 #   ourjob_gen_fork  ourjob_gen with runtime_env env_vars RAYLLM_FORK_ENGINE_CORE=1 (the engine core forked from
 #                   the Ray actor instead of spawned; results.json notes the engine core processes seen and vLLM's lines)
@@ -196,7 +197,7 @@ EOF
 need_s() {  # rough seconds a phase needs (it is not started with less left)
   case $1 in envcheck) echo 80 ;; offline|offline_generate) echo 200 ;; head|stop_head) echo 45 ;;
     ourjob_gen|ourjob_gen_matched|ourjob_gen_fork|ourjob_gen_spawn) echo 260 ;; offline_embed) echo 110 ;; ourjob_embed*) echo 200 ;;
-    gputests) echo 420 ;; prefix) echo 400 ;; *) echo 60 ;; esac
+    gputests) echo 420 ;; prefix) echo 400 ;; cache_carry) echo 330 ;; *) echo 60 ;; esac
 }
 needs_minilm() { case $1 in *embed*|gputests) return 0 ;; *) return 1 ;; esac; }
 needs_smol() { case $1 in gputests) return 0 ;; prefix) [ "${PREFIX_MODEL:-model}" = smollm2 ] ;; *) return 1 ;; esac; }
@@ -240,6 +241,19 @@ run_phase() {  # phase timeout_s
         python3 "$HERE/common.py" gpu-clean "prefix_$side"
       done
       python3 "$HERE/common.py" prefix-summary
+      return $rc ;;
+    cache_carry)  # our job twice with compile_cache on a folder, the node's own caches emptied before each job:
+      # the second job's engine finds only what the first left in that folder (a fresh node given the cache)
+      local dir=$W/carried-vllm-cache end=$(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) side rc=0 first=1 dl
+      rm -rf "$dir"
+      for side in cold warm; do
+        rm -rf "$HOME/.cache/vllm" "/tmp/torchinductor_$(id -un)" "$HOME/.triton/cache"
+        dl=$end; [ $first = 1 ] && dl=$(( $(date +%s) + 200 < end ? $(date +%s) + 200 : end )); first=0
+        timeout -k 30 $(( end + 60 - $(date +%s) )) python3 "$HERE/ourjob.py" --phase "ourjob_gen_cache_$side" --task generate \
+          --n "$N" --model "$W/model" --compile-cache "$dir" --deadline "$dl" || rc=$?
+        python3 "$HERE/common.py" gpu-clean "ourjob_gen_cache_$side"
+        echo "== cache folder after $side: $(du -sh "$dir" 2>/dev/null | cut -f1), $(find "$dir" -type f 2>/dev/null | wc -l) files"
+      done
       return $rc ;;
     gputests)  # the project's gpu-marked tests that need no Airflow (tests/gpu), on the same Ray head
       if ! python3 -c "import pytest" 2>/dev/null; then  # the image has none: the wheels carried in scripts/
