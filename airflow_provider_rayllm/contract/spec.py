@@ -456,9 +456,11 @@ class VLLMProcessorSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_cache_root(self) -> VLLMProcessorSpec:
-        if self.compile_cache and "VLLM_CACHE_ROOT" in ((self.runtime_env or {}).get("env_vars") or {}):
+        given = ((self.runtime_env or {}).get("env_vars") or {}).keys() & {"VLLM_CACHE_ROOT", "TRITON_CACHE_DIR"}
+        if self.compile_cache and given:
             raise ValueError(
-                "compile_cache and runtime_env's VLLM_CACHE_ROOT both name vLLM's cache folder; give one of them"
+                f"compile_cache and runtime_env's {sorted(given)[0]} both name a cache folder of the engine; "
+                "give one of them"
             )
         return self
 

@@ -95,13 +95,16 @@ def test_the_engines_environment_names_the_cache_and_a_bad_value_is_refused():
     env = bucket["env_vars"]
     assert env[compile_cache.ENV] == "gs://b/cache"
     assert env["VLLM_CACHE_ROOT"] == compile_cache.local_root("gs://b/cache")
+    assert env["TRITON_CACHE_DIR"] == os.path.join(env["VLLM_CACHE_ROOT"], "triton_cache"), "carried with the rest"
     volume = engine_runtime_env(VLLMProcessorSpec(model_source="m", compile_cache="/mnt/vllm-cache"), "gpu")
     assert volume["env_vars"]["VLLM_CACHE_ROOT"] == "/mnt/vllm-cache" and compile_cache.ENV not in volume["env_vars"]
+    assert volume["env_vars"]["TRITON_CACHE_DIR"] == "/mnt/vllm-cache/triton_cache"
     assert "VLLM_CACHE_ROOT" not in (engine_runtime_env(VLLMProcessorSpec(model_source="m"), "gpu") or {}).get(
         "env_vars", {}
     )
     for bad in ("cache", "file:///tmp/c", "s3://", "http://host/c"):
         with pytest.raises(ValueError, match=f"compile_cache must be .*got {bad!r}"):
             VLLMProcessorSpec(model_source="m", compile_cache=bad)
-    with pytest.raises(ValueError, match="compile_cache and runtime_env's VLLM_CACHE_ROOT"):
-        VLLMProcessorSpec(model_source="m", compile_cache="/c", runtime_env={"env_vars": {"VLLM_CACHE_ROOT": "/other"}})
+    for name in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR"):
+        with pytest.raises(ValueError, match=f"compile_cache and runtime_env's {name}"):
+            VLLMProcessorSpec(model_source="m", compile_cache="/c", runtime_env={"env_vars": {name: "/other"}})
