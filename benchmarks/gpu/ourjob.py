@@ -327,7 +327,9 @@ def main() -> int:
     ap.add_argument("--model", default=os.path.join(common.W, "model"))
     ap.add_argument("--engine-kwargs", default="{}", help="JSON merged over the base engine_kwargs")
     ap.add_argument("--runtime-env", default=None, help="JSON: the spec's processor.runtime_env")
-    ap.add_argument("--compile-cache", default=None, help="the spec's processor.compile_cache (a path or bucket prefix)")
+    ap.add_argument(
+        "--compile-cache", default=None, help="the spec's processor.compile_cache (a path or bucket prefix)"
+    )
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--max-concurrent-batches", type=int, default=None)
     ap.add_argument("--deadline", type=float, default=time.time() + 540, help="epoch seconds: stop the job then")
