@@ -14,8 +14,11 @@ fresh for each job (an autoscaled or KubeRay worker) starts cold every time.
   every few seconds, and once more when the actor ends). Objects are put whole, so a reader never sees half a
   file; two engines writing the same entry write the same bytes.
 
-Triton's own cache goes inside the root too: on one H100 a fresh node given vLLM's root alone still spent 15 s
-compiling the kernels of vLLM's warm-up (Triton keeps them in ``~/.triton/cache`` by default).
+Triton's own cache (``~/.triton/cache`` by default) goes inside the root too, so that kernels compiled outside
+torch.compile travel with the rest. On one H100 a node given vLLM's root alone (its own caches emptied) reached
+its engine 0.54x as soon as a cold one, and still spent 15 s between CUDA graph capture and the kernel JIT
+monitor that a fully warm node did not; what those seconds are is not known, and whether Triton's cache inside
+the root removes them was not measured (docs/PERFORMANCE.md).
 
 The engine's runtime_env carries the prefix (``ENV``) and the local root; the job's worker set-up hook (run
 first in every worker of the job) starts the copying in the processes that carry it: the engine actors only.
