@@ -66,13 +66,10 @@ def engine_env(value: str) -> dict[str, str]:
     return env
 
 
-def _remote_files(uri: str) -> dict[str, int]:
-    """Files under the prefix: path relative to it -> size."""
+def _remote_files(fs: Any, base: str) -> dict[str, int]:
+    """Files under the prefix (``base`` in ``fs``): path relative to it -> size."""
     import pyarrow.fs as pafs
 
-    from airflow_provider_rayllm.job import filesystems
-
-    fs, base = filesystems.filesystem_for(uri)
     selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
     return {
         info.path[len(base) :].lstrip("/"): info.size
@@ -88,7 +85,7 @@ def restore(uri: str, root: str) -> tuple[int, int, dict[str, int]]:
 
     fs, base = filesystems.filesystem_for(uri)
     files = copied = 0
-    remote = _remote_files(uri)
+    remote = _remote_files(fs, base)
     for name, size in sorted(remote.items()):
         target = os.path.join(root, name)
         if os.path.isfile(target) and os.path.getsize(target) == size:
@@ -139,6 +136,7 @@ class Saver:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="rayllm-compile-cache", daemon=True)
+        self._store: tuple[Any, str] | None = None  # the prefix's filesystem, made once at the first copy
 
     def start(self) -> Saver:
         self._thread.start()
@@ -164,8 +162,13 @@ class Saver:
                     continue
                 try:
                     # An object is put whole (no folder markers: the prefix holds the cache's files only).
-                    fs, path = filesystems.filesystem_for(f"{self.uri}/{name}")
-                    with open(os.path.join(self.root, name), "rb") as handle, fs.open_output_stream(path) as out:
+                    if self._store is None:
+                        self._store = filesystems.filesystem_for(self.uri)
+                    fs, base = self._store
+                    with (
+                        open(os.path.join(self.root, name), "rb") as handle,
+                        fs.open_output_stream(f"{base}/{name}") as out,
+                    ):
                         out.write(handle.read())
                 except Exception as exc:  # the cache only speeds a later start; the job goes on without it
                     print(f"rayllm compile cache: could not save {name} to {self.uri}: {exc}", flush=True)
