@@ -28,16 +28,23 @@ def join(base: str, *parts: str) -> str:
     return posixpath.join(base, *parts)
 
 
+def files_in(fs: pafs.FileSystem, path: str) -> list[pafs.FileInfo]:
+    """The files (not folders) under ``path`` in ``fs``, at any depth; none where it does not exist."""
+    selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
+    return [info for info in fs.get_file_info(selector) if info.type == pafs.FileType.File]
+
+
+def files_under(fs: pafs.FileSystem, root: str) -> dict[str, int]:
+    """The files under ``root`` in ``fs``: path relative to it -> size."""
+    return {info.path[len(root) :].lstrip("/"): info.size for info in files_in(fs, root)}
+
+
 def list_files(uri: str) -> list[dict[str, Any]]:
     """Files under ``uri`` with their sizes, as URIs in the caller's scheme."""
     fs, path = filesystem_for(uri)
     scheme = uri_scheme(uri)
     prefix = "" if scheme == "file" else f"{scheme}://"
-    selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
-    return sorted(
-        ({"uri": prefix + i.path, "bytes": i.size} for i in fs.get_file_info(selector) if i.type == pafs.FileType.File),
-        key=lambda f: f["uri"],
-    )
+    return sorted(({"uri": prefix + i.path, "bytes": i.size} for i in files_in(fs, path)), key=lambda f: f["uri"])
 
 
 def write_bytes_atomic(uri: str, data: bytes, content_type: str | None = None) -> None:

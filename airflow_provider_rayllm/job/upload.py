@@ -95,18 +95,9 @@ def source_files(folder: str, spec: UploadJobSpec) -> list[dict[str, Any]]:
     return files
 
 
-def _remote_files(fs: pafs.FileSystem, root: str) -> dict[str, int]:
-    selector = pafs.FileSelector(root, recursive=True, allow_not_found=True)
-    found = {}
-    for info in fs.get_file_info(selector):
-        if info.type == pafs.FileType.File:
-            found[info.path[len(root) :].lstrip("/")] = info.size
-    return found
-
-
 def mismatches(fs: pafs.FileSystem, root: str, files: list[dict[str, Any]]) -> dict[str, str]:
     """Files whose copy at the destination is missing or differs (read back: size, then sha256)."""
-    present = _remote_files(fs, root)
+    present = filesystems.files_under(fs, root)
     bad: dict[str, str] = {}
     for f in files:
         size = present.get(f["path"])
@@ -124,7 +115,7 @@ def mismatches(fs: pafs.FileSystem, root: str, files: list[dict[str, Any]]) -> d
 def extras(fs: pafs.FileSystem, root: str, files: list[dict[str, Any]]) -> list[str]:
     """Files under the destination that are not this model's (the model manifest aside)."""
     wanted = {f["path"] for f in files} | {MODEL_MANIFEST}
-    return sorted(path for path in _remote_files(fs, root) if path not in wanted)
+    return sorted(path for path in filesystems.files_under(fs, root) if path not in wanted)
 
 
 def verify(fs: pafs.FileSystem, root: str, files: list[dict[str, Any]]) -> list[str]:

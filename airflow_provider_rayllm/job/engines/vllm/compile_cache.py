@@ -66,18 +66,6 @@ def engine_env(value: str) -> dict[str, str]:
     return env
 
 
-def _remote_files(fs: Any, base: str) -> dict[str, int]:
-    """Files under the prefix (``base`` in ``fs``): path relative to it -> size."""
-    import pyarrow.fs as pafs
-
-    selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
-    return {
-        info.path[len(base) :].lstrip("/"): info.size
-        for info in fs.get_file_info(selector)
-        if info.type == pafs.FileType.File
-    }
-
-
 def restore(uri: str, root: str) -> tuple[int, int, dict[str, int]]:
     """Copy the prefix's files that the local root lacks (or holds at another size); (files, bytes) copied and
     what the prefix holds (path -> size)."""
@@ -85,7 +73,7 @@ def restore(uri: str, root: str) -> tuple[int, int, dict[str, int]]:
 
     fs, base = filesystems.filesystem_for(uri)
     files = copied = 0
-    remote = _remote_files(fs, base)
+    remote = filesystems.files_under(fs, base)
     for name, size in sorted(remote.items()):
         target = os.path.join(root, name)
         if os.path.isfile(target) and os.path.getsize(target) == size:

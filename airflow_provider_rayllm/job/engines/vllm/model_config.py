@@ -170,10 +170,11 @@ class readable_config:
     def _copy_from_bucket(self, into: str, names: list[str]) -> None:
         from airflow_provider_rayllm.job import filesystems
 
+        # One filesystem (one client and its credentials) for the model's few config files.
+        fs, base = filesystems.filesystem_for(self.model_source.rstrip("/"))
         for name in names:
-            fs, path = filesystems.filesystem_for(filesystems.join(self.model_source.rstrip("/"), name))
             try:
-                with fs.open_input_stream(path) as src, open(os.path.join(into, name), "wb") as dst:
+                with fs.open_input_stream(f"{base}/{name}") as src, open(os.path.join(into, name), "wb") as dst:
                     dst.write(src.read())
             except (OSError, FileNotFoundError):
                 continue
