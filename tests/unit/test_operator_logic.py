@@ -1,6 +1,9 @@
 """Operator decisions that need no cluster: re-attach vs new generation, spec errors, events."""
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -459,15 +462,49 @@ def test_a_serve_job_needs_its_own_section():
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions", "embeddings"])
 def test_each_serve_method_has_a_request_model_ray_data_accepts(endpoint):
-    """ServeDeploymentProcessorConfig wants classes in dtype_mapping (the public EmbeddingRequest is a Union)."""
+    """ServeDeploymentProcessorConfig wants classes in dtype_mapping (the public EmbeddingRequest is a Union);
+    the stand-in the job gives it builds the real model's request, as Ray's stage calls it."""
     from ray.data.llm import ServeDeploymentProcessorConfig
 
-    from airflow_provider_rayllm.job.engines.serve import METHODS, request_class
+    from airflow_provider_rayllm.job.engines.serve import LAZY_REQUESTS, METHODS, request_class
 
     _, dtype, _ = METHODS[endpoint]
     cls = request_class(dtype)
     assert cls.__name__ == dtype
-    ServeDeploymentProcessorConfig(deployment_name="d", dtype_mapping={dtype: cls})
+    ServeDeploymentProcessorConfig(deployment_name="d", dtype_mapping={dtype: LAZY_REQUESTS[dtype]})
+    body = {"model": "m", "input": "hi"} if endpoint == "embeddings" else {"model": "m", "stream": False}
+    body.update(
+        {"chat": {"messages": [{"role": "user", "content": "hi"}]}, "completions": {"prompt": "hi"}}.get(endpoint, {})
+    )
+    request = LAZY_REQUESTS[dtype](**body)
+    assert type(request) is cls and request.model == "m"
+
+
+_SERVE_PROCESSOR_IMPORTS = """
+import json, sys
+import ray.data
+from airflow_provider_rayllm.contract.spec import ServeProcessorSpec
+from airflow_provider_rayllm.job.engines.serve import ServeEngine
+
+engine = ServeEngine.__new__(ServeEngine)
+engine.serve = ServeProcessorSpec(model="m", app_name="a", deployment_name="d")
+engine.apply(ray.data.range(1))
+print(json.dumps(sorted(m for m in ("vllm", "torch", "transformers") if m in sys.modules)))
+"""
+
+
+def test_building_the_serve_processor_imports_neither_vllm_nor_torch():
+    """The job's driver builds Ray's Serve processor with every request model in its dtype_mapping; the real
+    models live in vLLM's protocol module, and naming them imported vLLM and torch in the driver."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SERVE_PROCESSOR_IMPORTS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
 
 
 def test_an_image_column_turns_on_the_multimodal_stage_unless_configured(tmp_path):

@@ -7,8 +7,9 @@ the job, so consecutive tasks (the turns of a conversation, a chain of steps) sh
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from airflow_provider_rayllm.contract.spec import JobSpec, ServeProcessorSpec
 from airflow_provider_rayllm.job.engines.base import Engine
@@ -50,6 +51,7 @@ def check(serve: ServeProcessorSpec) -> None:
         raise JobError(f"serve_app {serve.app_name!r} is {app.status} ({app.message or 'no message'}), not RUNNING")
 
 
+@functools.cache
 def request_class(dtype: str) -> Any:
     """Ray Serve LLM's request model of that name (the public EmbeddingRequest is a Union of two)."""
     import typing
@@ -61,6 +63,36 @@ def request_class(dtype: str) -> Any:
             if getattr(candidate, "__name__", None) == dtype:
                 return candidate
     raise JobError(f"Ray Serve LLM has no request model {dtype!r}")
+
+
+class LazyRequest:
+    """Stands in for Ray Serve LLM's request model ``dtype`` in Ray's ``dtype_mapping``: Ray's stage builds each
+    request by calling the class it was given, and this one returns an instance of the real model. Naming the
+    real classes when the processor is built imported them, and vLLM with them, in the job's driver (7-9 s and
+    as many CPU-seconds a job on 2 cores); the stage's actors import them at their first request, as before."""
+
+    dtype: ClassVar[str] = ""
+
+    def __new__(cls, **request_kwargs: Any) -> Any:
+        return request_class(cls.dtype)(**request_kwargs)
+
+
+class LazyChatCompletionRequest(LazyRequest):
+    dtype = "ChatCompletionRequest"
+
+
+class LazyCompletionRequest(LazyRequest):
+    dtype = "CompletionRequest"
+
+
+class LazyEmbeddingCompletionRequest(LazyRequest):
+    dtype = "EmbeddingCompletionRequest"
+
+
+# The request models by the names a preprocess gives as ``dtype`` (module-level classes: pickled by name).
+LAZY_REQUESTS: dict[str, type[LazyRequest]] = {
+    cls.dtype: cls for cls in (LazyChatCompletionRequest, LazyCompletionRequest, LazyEmbeddingCompletionRequest)
+}
 
 
 class ServeShaper(Shaper):
@@ -155,7 +187,7 @@ class ServeEngine(Engine):
             app_name=self.serve.app_name,
             # Every request model, so a preprocess may call any method of the deployment (the guide's chain
             # calls completions).
-            dtype_mapping={dtype: request_class(dtype) for _, dtype, _ in METHODS.values()},
+            dtype_mapping=dict(LAZY_REQUESTS),
             concurrency=self.serve.concurrency,
             batch_size=self.serve.batch_size,
             should_continue_on_error=True,
