@@ -11,6 +11,8 @@ Also a small CLI for go.sh:
     python3 common.py note PHASE TEXT...
     python3 common.py phase-process PHASE T0 T1   the phase's process window (epoch seconds, go.sh's clock)
     python3 common.py merge-file PHASE KEY FILE   a JSON file into PHASE's result under KEY (if it exists)
+    python3 common.py merge-obj PHASE JSON        a JSON object's keys into PHASE's result
+    python3 common.py expand-rounds N PHASE...    the phases with ROUNDS=N's round phases (see expand_rounds)
 """
 
 from __future__ import annotations
@@ -353,6 +355,35 @@ def prefix_summary(phases: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# --- rounds (go.sh's ROUNDS) -----------------------------------------------------------------------------------
+# The end-to-end comparison's pairs: each round runs the offline side, then ours (in the order PHASES gives).
+ROUND_PAIRS = (("offline", "ourjob_gen"), ("offline_embed", "ourjob_embed"))
+ROUND_PHASE = re.compile(r"^(offline|ourjob_gen|offline_embed|ourjob_embed)_r(\d+)$")
+
+
+def expand_rounds(rounds: int, phases: list[str]) -> list[str]:
+    """PHASES with each comparison pair's phases run `rounds` times, interleaved round by round:
+    ["head", "offline", "ourjob_gen"], 2 -> ["head", "offline_r1", "ourjob_gen_r1", "offline_r2", "ourjob_gen_r2"].
+    A pair's rounds take the place of its first phase in PHASES; a pair named in part runs that part alone."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be 1 or more, not {rounds}")
+    out: list[str] = []
+    done: set[str] = set()
+    for phase in phases:
+        pair = next((p for p in ROUND_PAIRS if phase in p), None)
+        if pair is None:
+            if phase not in out:
+                out.append(phase)
+            continue
+        if phase in done:
+            continue
+        members = [p for p in phases if p in pair]
+        members = [p for i, p in enumerate(members) if p not in members[:i]]
+        done.update(members)
+        out += [f"{p}_r{r}" for r in range(1, rounds + 1) for p in members]
+    return out
+
+
 # --- CLI for go.sh --------------------------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
     cmd = argv[0] if argv else ""
@@ -402,6 +433,16 @@ def main(argv: list[str]) -> int:
                 merge_phase(argv[1], {argv[2]: json.load(f)})
         except (OSError, ValueError):
             pass
+        return 0
+    if cmd == "merge-obj":
+        merge_phase(argv[1], json.loads(argv[2]))
+        return 0
+    if cmd == "expand-rounds":
+        try:
+            print(" ".join(expand_rounds(int(argv[1]), argv[2:])))
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
         return 0
     if cmd == "prefix-summary":  # the prefix phase: grouped against window 0, from the two jobs' entries
         merge_phase("prefix", prefix_summary(load_results()["phases"]))

@@ -33,15 +33,34 @@
 # Optional: offline_generate (LLM.generate, no chat template), ourjob_embed_nochunk (chunked prefill and
 #   prefix caching off for MiniLM), stop_head. FORCE="phase ..." runs done phases again.
 # A phase that failed twice is not tried again (unless named in FORCE); envcheck counts as done once run.
+#
+# Rounds (ROUNDS=3): the end-to-end comparison measured several times, cold on both sides every time. The phases
+#   offline, ourjob_gen, offline_embed and ourjob_embed named in PHASES become offline_r1 ourjob_gen_r1 offline_r2
+#   ourjob_gen_r2 ... (each pair's rounds interleaved, in PHASES' order; the generation pair's rounds before the
+#   embeddings pair's when PHASES names it first), each recorded under its own name in results.json (its round in
+#   `round`, its phase in `round_of`), its log in logs/<name>.log. Before every round phase the node's vLLM,
+#   Inductor and Triton caches are emptied (`caches_emptied_before` says what was there). A later call with the
+#   same PHASES and ROUNDS continues with the rounds not done yet; rounds run in order: once one does not fit the
+#   budget left, the call stops there (no later round or phase starts out of turn). report.py pairs offline_rN
+#   with ourjob_gen_rN (the same round) and gives the median, the spread and every round's figures.
+# Phase pyc: byte-compiles /tmp/site once (python -m compileall), so no run pays for writing vLLM's and Ray's
+#   .pyc files (the wheels ship none; a pip-installed environment has them): without it the first process to
+#   import vLLM on the machine pays for all of them, the rounds after it not.
+# Knobs for a tight budget: NEED_<phase>=<s> replaces need_s's estimate for that phase (a round phase takes its
+#   phase's: NEED_ourjob_gen=220), JOB_MARGIN_S (below).
 START=$(date +%s); BUDGET_S=${BUDGET_S:-550}; DEADLINE=$((START + BUDGET_S))
 PHASES=${PHASES:-envcheck offline head ourjob_gen ourjob_embed offline_embed gputests ourjob_gen_matched}
 [ "$PHASES" = none ] && PHASES=""   # only collect and unpack the pieces
 REPO=$PWD; HERE=$REPO/benchmarks/gpu; GPU_DIR=${GPU_DIR:-$REPO/.gpu}
+ROUNDS=${ROUNDS:-}
+if [ -n "$ROUNDS" ] && [ -n "$PHASES" ]; then  # offline ourjob_gen -> offline_r1 ourjob_gen_r1 offline_r2 ...
+  PHASES=$(python3 "$HERE/common.py" expand-rounds "$ROUNDS" $PHASES) || { echo "== ROUNDS=$ROUNDS: not a number"; exit 2; }
+fi
 export GPUW=${GPUW:-/tmp/gpu}; W=$GPUW; export SITE=/tmp/site
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W/chunks" "$W/state" "$W/logs" "$W/bin"
 exec > >(tee -a "$W/go.log" "$OUT/go.log") 2>&1
 left() { echo $(( DEADLINE - $(date +%s) )); }
-echo "== go.sh start $(date -u +%FT%TZ) host=$(hostname) budget=${BUDGET_S}s phases: $PHASES"
+echo "== go.sh start $(date -u +%FT%TZ) host=$(hostname) budget=${BUDGET_S}s${ROUNDS:+ rounds=$ROUNDS} phases: $PHASES"
 
 finish() {
   # Everything we want back, at most 8 files: results.json, go.log, gpu.csv, gputests.xml, up to 4 job logs.
@@ -194,22 +213,41 @@ common.save_results(d)
 EOF
 
 # --- 3. phases ----------------------------------------------------------------------------------------------
-need_s() {  # rough seconds a phase needs (it is not started with less left)
+base_of() {  # a round phase's own phase (offline_r2 -> offline); any other phase's name as it is
+  if [[ $1 =~ ^(offline|ourjob_gen|offline_embed|ourjob_embed)_r([0-9]+)$ ]]; then echo "${BASH_REMATCH[1]}"; else echo "$1"; fi
+}
+round_of() { [[ $1 =~ ^(offline|ourjob_gen|offline_embed|ourjob_embed)_r([0-9]+)$ ]] && echo "${BASH_REMATCH[2]}"; }
+empty_caches() {  # the node's vLLM, Inductor and Triton caches, so the next engine compiles cold; prints what was there
+  local d s
+  CACHES_EMPTIED=""
+  for d in "$HOME/.cache/vllm" "/tmp/torchinductor_$(id -un)" "$HOME/.triton/cache"; do
+    if [ -e "$d" ]; then s=$(du -sh "$d" 2>/dev/null | cut -f1); else s=absent; fi
+    rm -rf "$d"
+    CACHES_EMPTIED="$CACHES_EMPTIED${CACHES_EMPTIED:+, }\"$d\": \"$s\""
+  done
+  echo "== caches emptied: {$CACHES_EMPTIED}"
+}
+need_s() {  # rough seconds a phase needs (it is not started with less left); NEED_<phase> replaces it
+  local v="NEED_$1"
+  [ -n "${!v:-}" ] && { echo "${!v}"; return; }
   case $1 in envcheck) echo 80 ;; offline|offline_generate) echo 200 ;; head|stop_head) echo 45 ;;
     ourjob_gen|ourjob_gen_matched|ourjob_gen_fork|ourjob_gen_spawn) echo 260 ;; offline_embed) echo 110 ;; ourjob_embed*) echo 200 ;;
-    gputests) echo 420 ;; prefix) echo 400 ;; cache_carry) echo 330 ;; *) echo 60 ;; esac
+    gputests) echo 420 ;; prefix) echo 400 ;; cache_carry) echo 330 ;; pyc) echo 90 ;; *) echo 60 ;; esac
 }
 needs_minilm() { case $1 in *embed*|gputests) return 0 ;; *) return 1 ;; esac; }
 needs_smol() { case $1 in gputests) return 0 ;; prefix) [ "${PREFIX_MODEL:-model}" = smollm2 ] ;; *) return 1 ;; esac; }
 run_phase() {  # phase timeout_s
   local p=$1 T=$2
-  case $p in
+  case $(base_of "$p") in
+    pyc)  # .pyc for the whole site, once (as pip install writes them)
+      timeout -k 20 "$T" python3 -m compileall -q -j 0 /tmp/site >/dev/null; local rc=$?
+      echo "== /tmp/site byte-compiled (rc $rc): $(find /tmp/site -name '*.pyc' | wc -l) .pyc files"; return $rc ;;
     envcheck) timeout -k 20 "$T" python3 "$HERE/envcheck.py" ;;
-    offline) timeout -s INT -k 30 "$T" python3 "$HERE/bench_offline.py" --phase offline --mode chat --n "$N" \
+    offline) timeout -s INT -k 30 "$T" python3 "$HERE/bench_offline.py" --phase "$p" --mode chat --n "$N" \
         --max-num-seqs "$MAX_NUM_SEQS" --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --model "$W/model" ;;
     offline_generate) timeout -s INT -k 30 "$T" python3 "$HERE/bench_offline.py" --phase offline_generate --mode generate \
         --n "$N" --max-num-seqs "$MAX_NUM_SEQS" --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --model "$W/model" ;;
-    offline_embed) timeout -s INT -k 30 "$T" python3 "$HERE/bench_offline.py" --phase offline_embed --mode embed \
+    offline_embed) timeout -s INT -k 30 "$T" python3 "$HERE/bench_offline.py" --phase "$p" --mode embed \
         --n "$EMBED_N" --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" ;;
     head) timeout -k 20 "$T" python3 "$HERE/ray_head.py" start ;;
     stop_head) timeout -k 20 "$T" python3 "$HERE/ray_head.py" stop ;;
@@ -224,7 +262,7 @@ run_phase() {  # phase timeout_s
     ourjob_gen_matched) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_gen_matched --task generate --n "$N" \
         --model "$W/model" --engine-kwargs "{\"max_num_seqs\": $MAX_NUM_SEQS, \"max_num_batched_tokens\": $MAX_NUM_BATCHED_TOKENS}" \
         --batch-size 128 --max-concurrent-batches 16 --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
-    ourjob_embed) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_embed --task embed --n "$EMBED_N" \
+    ourjob_embed) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase "$p" --task embed --n "$EMBED_N" \
         --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" --deadline $(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) ;;
     ourjob_embed_nochunk) timeout -k 30 "$T" python3 "$HERE/ourjob.py" --phase ourjob_embed_nochunk --task embed \
         --n "$EMBED_N" --in-tokens "$EMBED_IN_TOKENS" --model "$W/minilm" \
@@ -247,7 +285,7 @@ run_phase() {  # phase timeout_s
       local dir=$W/carried-vllm-cache end=$(( $(date +%s) + T - ${JOB_MARGIN_S:-60} )) side rc=0 first=1 dl
       rm -rf "$dir"
       for side in cold warm; do
-        rm -rf "$HOME/.cache/vllm" "/tmp/torchinductor_$(id -un)" "$HOME/.triton/cache"
+        empty_caches
         dl=$end; [ $first = 1 ] && dl=$(( $(date +%s) + 200 < end ? $(date +%s) + 200 : end )); first=0
         timeout -k 30 $(( end + 60 - $(date +%s) )) python3 "$HERE/ourjob.py" --phase "ourjob_gen_cache_$side" --task generate \
           --n "$N" --model "$W/model" --compile-cache "$dir" --deadline "$dl" || rc=$?
@@ -282,10 +320,18 @@ for phase in $PHASES; do
   if [ "$tries" -ge 2 ] && [ $forced = 0 ]; then echo "== $phase failed twice: not tried again (FORCE=$phase to retry)"; continue; fi
   if needs_minilm "$phase" && [ ! -e "$W/state/extracted_minilm" ]; then echo "== $phase waits for the MiniLM pieces"; continue; fi
   if needs_smol "$phase" && [ ! -e "$W/state/extracted_smol" ]; then echo "== $phase waits for the SmolLM2 pieces"; continue; fi
-  L=$(left); NEED=$(need_s "$phase")
-  if [ "$L" -lt "$NEED" ]; then echo "== $phase needs ~$NEED s, $L s left: next call"; continue; fi
+  L=$(left); NEED=$(need_s "$(base_of "$phase")")
+  if [ "$L" -lt "$NEED" ]; then
+    echo "== $phase needs ~$NEED s, $L s left: next call"
+    if [ -n "$(round_of "$phase")" ]; then echo "== rounds run in order: no later phase starts in this call"; break; fi
+    continue
+  fi
   echo "== phase $phase ($L s left) $(date -u +%T)"
   echo $((tries + 1)) > "$W/state/tries_$phase"
+  if [ -n "$(round_of "$phase")" ]; then  # every round cold on both sides: the node's compile caches emptied
+    empty_caches
+    python3 "$HERE/common.py" merge-obj "$phase" "{\"round\": $(round_of "$phase"), \"round_of\": \"$(base_of "$phase")\", \"caches_emptied_before\": {$CACHES_EMPTIED}}"
+  fi
   t=$(date +%s)
   # The phase's whole process, to the nanosecond (the offline script's window for the end-to-end comparison).
   PHASE_T0=$(date +%s.%N); export PHASE_T0

@@ -12,7 +12,12 @@ every phase run so far):
     benchmarks/results/<date>-gpu/gputests*.xml   (optional) the gpu tests' JUnit files, one per call
     benchmarks/results/<date>-gpu/notes.json      (optional) written by hand: {key: value} added to the summary
 Phases read: envcheck, offline (vLLM LLM.chat, the ceiling), ourjob_gen and ourjob_gen_matched (our driver
-through the Jobs API), offline_embed and ourjob_embed (MiniLM), head, gpu_after_phase.
+through the Jobs API), offline_embed and ourjob_embed (MiniLM), head, gpu_after_phase; and go.sh's ROUNDS phases
+(offline_r<n>, ourjob_gen_r<n>, offline_embed_r<n>, ourjob_embed_r<n>): `rounds` pairs each round's offline run
+with our job's run of the same round over the same windows and gives every round's figures, their median and
+spread (min, max); top-level <key>_median, <key>_spread and <key>_rounds for e2e_ratio_<task>, busy_ratio_<task>,
+first_token_s and offline_first_token_s (and, where no plain pair ran, <key> itself holds the median).
+A results folder of another name: --dir benchmarks/results/<name> writes benchmarks/results/<name>.json.
 
 Numbers: output tokens/s of the timed call (offline) or of the engine phase (ours) and over the whole job;
 efficiency = ours / offline; cost per million output tokens = price per GPU-hour / (3600 x tokens/s) x 1e6.
@@ -273,6 +278,10 @@ def summarize(src: Path, price: float) -> dict[str, Any]:
             e["efficiency_engine_phase_vs_offline"] = e["rows_per_s_engine_phase"] / oe["rows_per_s"]
 
     out.update(honest_windows(phases, src))
+    rounds = rounds_summary(phases, src)
+    if rounds:
+        out["rounds"] = rounds
+        out.update(round_keys(rounds, out))
     out["guide_answers"] = (phases.get("gputests") or {}).get("guide_answers")
     out["gpu_tests"] = gpu_tests(src)
     # What a person wrote about the run (notes.json beside results.json): caveats, outcomes read from a log
@@ -374,32 +383,171 @@ def init_engine_at(log: Path) -> float | None:
     return None
 
 
+# The end-to-end comparison's pairs: (task, the offline script's phase, our job's phase).
+PAIRS = (("generate", "offline", "ourjob_gen"), ("embed", "offline_embed", "ourjob_embed"))
+# go.sh's ROUNDS: each pair's phases run again as <phase>_r<n>, cold on both sides every time.
+ROUND_NAME = re.compile(r"^(offline|ourjob_gen|offline_embed|ourjob_embed)_r(\d+)$")
+FIRST_TOKEN_MEANS = (
+    "seconds to the first finished request (a whole answer): ours from submission, offline from the process start"
+)
+
+
+def pair_windows(off: dict, ours: dict, log: Path | None = None) -> dict | None:
+    """One offline run against one run of our job over the same windows (None unless both are ok): the whole run
+    as a user pays for it (our job submitted -> SUCCEEDED against the offline script's whole process) and the
+    engine's busy time; ratios are ours / offline, in seconds for the same rows (above 1: ours takes longer)."""
+    if not (off.get("ok") and ours.get("ok")):
+        return None
+    o, u = offline_windows(off), ours_windows(ours, init_engine_at(log) if log else None)
+    return {
+        "e2e_ratio": _ratio(u["whole_s"], o["whole_s"]),
+        "busy_ratio": _ratio(u["busy_s"], o["busy_s"]),
+        "first_token_s": u["first_answer_s"],
+        "offline_first_token_s": o["first_answer_s"],
+        "windows": {"offline": o, "ours": u},
+    }
+
+
 def honest_windows(phases: dict, src: Path | None = None) -> dict:
-    """Both sides over the same windows: the whole run as a user pays for it (our job submitted -> SUCCEEDED
-    against the offline script's whole process) and the engine's busy time; ratios are ours / offline, in
-    seconds for the same rows (above 1: ours takes longer)."""
+    """Both sides over the same windows (pair_windows) for the plain phases (offline / ourjob_gen,
+    offline_embed / ourjob_embed)."""
     out: dict[str, Any] = {}
-    for task, off_name, ours_name in (
-        ("generate", "offline", "ourjob_gen"),
-        ("embed", "offline_embed", "ourjob_embed"),
-    ):
-        off, ours = phases.get(off_name) or {}, phases.get(ours_name) or {}
-        if not (off.get("ok") and ours.get("ok")):
+    for task, off_name, ours_name in PAIRS:
+        pw = pair_windows(
+            phases.get(off_name) or {}, phases.get(ours_name) or {}, src / "logs" / f"{ours_name}.log" if src else None
+        )
+        if pw is None:
             out[f"e2e_ratio_{task}"] = None
             continue
-        log_ready = init_engine_at(src / "logs" / f"{ours_name}.log") if src else None
-        o, u = offline_windows(off), ours_windows(ours, log_ready)
-        out[f"e2e_ratio_{task}"] = _ratio(u["whole_s"], o["whole_s"])
-        out[f"busy_ratio_{task}"] = _ratio(u["busy_s"], o["busy_s"])
-        out[f"windows_{task}"] = {"offline": o, "ours": u}
+        o, u = pw["windows"]["offline"], pw["windows"]["ours"]
+        out[f"e2e_ratio_{task}"] = pw["e2e_ratio"]
+        out[f"busy_ratio_{task}"] = pw["busy_ratio"]
+        out[f"windows_{task}"] = pw["windows"]
         if task == "generate":
-            out["first_token_s"] = u["first_answer_s"]
-            out["offline_first_token_s"] = o["first_answer_s"]
-            out["first_token_means"] = (
-                "seconds to the first finished request (a whole answer): ours from submission, offline from the "
-                "process start"
-            )
+            out["first_token_s"] = pw["first_token_s"]
+            out["offline_first_token_s"] = pw["offline_first_token_s"]
+            out["first_token_means"] = FIRST_TOKEN_MEANS
             out["startup_breakdown"] = {"offline": o["startup"], "ours": u["startup"]}
+    return out
+
+
+# Per round: the figures whose median and spread (min, max) are given over the rounds both sides finished.
+ROUND_FIGURES = (
+    "e2e_ratio",
+    "busy_ratio",
+    "first_token_s",
+    "offline_first_token_s",
+    "offline_whole_s",
+    "ours_whole_s",
+    "offline_busy_s",
+    "ours_busy_s",
+)
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """The median of the values, their min and max, and the values themselves (in round order)."""
+    import statistics
+
+    if not values:
+        return {"median": None, "min": None, "max": None, "values": []}
+    return {
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+        "values": values,
+    }
+
+
+def rounds_summary(phases: dict, src: Path | None = None) -> dict[str, Any]:
+    """go.sh's ROUNDS: for each pair, every round's offline run against our job's run of the SAME round over the
+    same windows (pair_windows), then the median and the spread (min, max) of each figure over the rounds where
+    both sides finished. A round counts only with both sides ok; its compile-cache hits are shown (0 on both
+    sides: the round compiled cold)."""
+    out: dict[str, Any] = {}
+    for task, off_base, ours_base in PAIRS:
+        rounds = sorted(
+            {int(m.group(2)) for m in map(ROUND_NAME.match, phases) if m and m.group(1) in (off_base, ours_base)}
+        )
+        if not rounds:
+            continue
+        per_round = []
+        for r in rounds:
+            off_name, ours_name = f"{off_base}_r{r}", f"{ours_base}_r{r}"
+            off, ours = phases.get(off_name) or {}, phases.get(ours_name) or {}
+            entry: dict[str, Any] = {
+                "round": r,
+                "offline_phase": off_name if off else None,
+                "ours_phase": ours_name if ours else None,
+                "offline_status": off.get("phase_status"),
+                "ours_status": ours.get("status") or ours.get("phase_status"),
+            }
+            pw = pair_windows(off, ours, src / "logs" / f"{ours_name}.log" if src else None)
+            if pw is None:
+                missing = [n for n, p in ((off_name, off), (ours_name, ours)) if not p.get("ok")]
+                entry.update(counted=False, why_not=f"not ok or not run: {', '.join(missing)}")
+                per_round.append(entry)
+                continue
+            o, u = pw["windows"]["offline"], pw["windows"]["ours"]
+            hits = {
+                side: (p.get("vllm_log") or {}).get("compiled_graph_cache_hits")
+                for side, p in (("offline", off), ("ours", ours))
+            }
+            entry.update(
+                counted=True,
+                e2e_ratio=pw["e2e_ratio"],
+                busy_ratio=pw["busy_ratio"],
+                first_token_s=pw["first_token_s"],
+                offline_first_token_s=pw["offline_first_token_s"],
+                offline_whole_s=o["whole_s"],
+                ours_whole_s=u["whole_s"],
+                offline_busy_s=o["busy_s"],
+                ours_busy_s=u["busy_s"],
+                ours_busy_from=u["busy_from"],
+                compiled_graph_cache_hits=hits,
+                cold=None if None in hits.values() else not any(hits.values()),
+                caches_emptied_before={
+                    "offline": off.get("caches_emptied_before"),
+                    "ours": ours.get("caches_emptied_before"),
+                },
+                startup={"offline": o["startup"], "ours": u["startup"]},
+            )
+            if task == "generate":
+                entry["offline_output_tok_per_s"] = off.get("output_tok_per_s")
+                entry["ours_output_tok_per_s_engine_phase"] = ours.get("output_tok_per_s_engine_phase")
+            else:
+                entry["offline_rows_per_s"] = off.get("rows_per_s")
+                entry["ours_rows_per_s_engine_phase"] = ours.get("rows_per_s_engine_phase")
+            per_round.append(entry)
+        counted = [e for e in per_round if e["counted"]]
+        out[task] = {
+            "rounds_run": rounds,
+            "rounds_counted": [e["round"] for e in counted],
+            "warm_rounds": [e["round"] for e in counted if e.get("cold") is False],
+            **{k: spread([e[k] for e in counted if e.get(k) is not None]) for k in ROUND_FIGURES},
+            "per_round": per_round,
+        }
+    return out
+
+
+def round_keys(rounds: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
+    """The rounds' figures as top-level keys: <figure>_median, <figure>_spread ([min, max]) and <figure>_rounds
+    (each counted round's value, in round order) for e2e_ratio_<task>, busy_ratio_<task> and (generation)
+    first_token_s / offline_first_token_s; where the plain phases gave no ratio, the plain key holds the median."""
+    out: dict[str, Any] = {}
+    for task, r in rounds.items():
+        names = {"e2e_ratio": f"e2e_ratio_{task}", "busy_ratio": f"busy_ratio_{task}"}
+        if task == "generate":
+            names.update(first_token_s="first_token_s", offline_first_token_s="offline_first_token_s")
+        for figure, key in names.items():
+            st = r[figure]
+            out[f"{key}_median"] = st["median"]
+            out[f"{key}_spread"] = [st["min"], st["max"]]
+            out[f"{key}_rounds"] = st["values"]
+            if plain.get(key) is None and st["median"] is not None:
+                out[key] = st["median"]
+                out[f"{key}_basis"] = f"median of {len(st['values'])} rounds ({task} rounds {r['rounds_counted']})"
+        if task == "generate" and plain.get("first_token_means") is None:
+            out["first_token_means"] = FIRST_TOKEN_MEANS
     return out
 
 
@@ -605,6 +753,37 @@ def markdown(s: dict) -> str:
             f"| first finished request (from process start / submission) | {_f(o['first_answer_s'], '{:.1f}')} | "
             f"{_f(u['first_answer_s'], '{:.1f}')} | |",
         ]
+    for task, r in (s.get("rounds") or {}).items():
+        lines += [
+            "",
+            f"Rounds, {task} (each round cold on both sides: the node's vLLM, Inductor and Triton caches emptied "
+            f"before every run; offline then ours; ratios ours / offline of the same round):",
+            "",
+            "| round | offline whole s | ours whole s | e2e ratio | offline busy s | ours busy s | busy ratio | "
+            "first answer offline / ours s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for e in r["per_round"]:
+            if not e["counted"]:
+                lines.append(f"| {e['round']} | {e['why_not']} | | | | | | |")
+                continue
+            lines.append(
+                f"| {e['round']}{'' if e.get('cold') is not False else ' (warm!)'} | {_f(e['offline_whole_s'], '{:.1f}')} | "
+                f"{_f(e['ours_whole_s'], '{:.1f}')} | {_f(e['e2e_ratio'], '{:.3f}')} | {_f(e['offline_busy_s'], '{:.1f}')} | "
+                f"{_f(e['ours_busy_s'], '{:.1f}')} | {_f(e['busy_ratio'], '{:.3f}')} | "
+                f"{_f(e['offline_first_token_s'], '{:.1f}')} / {_f(e['first_token_s'], '{:.1f}')} |"
+            )
+        for stat in ("median", "min", "max"):
+            lines.append(
+                f"| **{stat}** | {_f(r['offline_whole_s'][stat], '{:.1f}')} | {_f(r['ours_whole_s'][stat], '{:.1f}')} | "
+                f"**{_f(r['e2e_ratio'][stat], '{:.3f}')}** | {_f(r['offline_busy_s'][stat], '{:.1f}')} | "
+                f"{_f(r['ours_busy_s'][stat], '{:.1f}')} | {_f(r['busy_ratio'][stat], '{:.3f}')} | "
+                f"{_f(r['offline_first_token_s'][stat], '{:.1f}')} / {_f(r['first_token_s'][stat], '{:.1f}')} |"
+            )
+        lines.append(
+            f"\n(min and max of each column are taken over the rounds on their own, not from one round; "
+            f"rounds counted: {r['rounds_counted']} of {r['rounds_run']})"
+        )
     left = {k: v for k, v in s.get("gpu_after_phase", {}).items() if v.get("leftover_apps")}
     lines += [
         "",
