@@ -77,22 +77,15 @@ class LazyRequest:
         return request_class(cls.dtype)(**request_kwargs)
 
 
-class LazyChatCompletionRequest(LazyRequest):
-    dtype = "ChatCompletionRequest"
+def _stand_in(dtype: str) -> type[LazyRequest]:
+    """A module-level subclass per request model (``Lazy<dtype>``): pickled by name into the stage's actors."""
+    cls = type(f"Lazy{dtype}", (LazyRequest,), {"dtype": dtype, "__module__": __name__})
+    globals()[cls.__name__] = cls
+    return cls
 
 
-class LazyCompletionRequest(LazyRequest):
-    dtype = "CompletionRequest"
-
-
-class LazyEmbeddingCompletionRequest(LazyRequest):
-    dtype = "EmbeddingCompletionRequest"
-
-
-# The request models by the names a preprocess gives as ``dtype`` (module-level classes: pickled by name).
-LAZY_REQUESTS: dict[str, type[LazyRequest]] = {
-    cls.dtype: cls for cls in (LazyChatCompletionRequest, LazyCompletionRequest, LazyEmbeddingCompletionRequest)
-}
+# The request models by the names a preprocess gives as ``dtype``, one for each method in METHODS.
+LAZY_REQUESTS: dict[str, type[LazyRequest]] = {dtype: _stand_in(dtype) for _, dtype, _ in METHODS.values()}
 
 
 class ServeShaper(Shaper):
