@@ -358,7 +358,8 @@ def prefix_summary(phases: dict[str, Any]) -> dict[str, Any]:
 # --- rounds (go.sh's ROUNDS) -----------------------------------------------------------------------------------
 # The end-to-end comparison's pairs: each round runs the offline side, then ours (in the order PHASES gives).
 ROUND_PAIRS = (("offline", "ourjob_gen"), ("offline_embed", "ourjob_embed"))
-ROUND_PHASE = re.compile(r"^(offline|ourjob_gen|offline_embed|ourjob_embed)_r(\d+)$")
+# go.sh's ROUNDS: each pair's phases run again as <phase>_r<n> (report.py reads them back by this name).
+ROUND_PHASE = re.compile(rf"^({'|'.join(p for pair in ROUND_PAIRS for p in pair)})_r(\d+)$")
 
 
 def expand_rounds(rounds: int, phases: list[str]) -> list[str]:

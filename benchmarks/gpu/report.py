@@ -385,8 +385,6 @@ def init_engine_at(log: Path) -> float | None:
 
 # The end-to-end comparison's pairs: (task, the offline script's phase, our job's phase).
 PAIRS = (("generate", "offline", "ourjob_gen"), ("embed", "offline_embed", "ourjob_embed"))
-# go.sh's ROUNDS: each pair's phases run again as <phase>_r<n>, cold on both sides every time.
-ROUND_NAME = re.compile(r"^(offline|ourjob_gen|offline_embed|ourjob_embed)_r(\d+)$")
 FIRST_TOKEN_MEANS = (
     "seconds to the first finished request (a whole answer): ours from submission, offline from the process start"
 )
@@ -466,7 +464,7 @@ def rounds_summary(phases: dict, src: Path | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for task, off_base, ours_base in PAIRS:
         rounds = sorted(
-            {int(m.group(2)) for m in map(ROUND_NAME.match, phases) if m and m.group(1) in (off_base, ours_base)}
+            {int(m.group(2)) for m in map(common.ROUND_PHASE.match, phases) if m and m.group(1) in (off_base, ours_base)}
         )
         if not rounds:
             continue
