@@ -464,7 +464,11 @@ def rounds_summary(phases: dict, src: Path | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for task, off_base, ours_base in PAIRS:
         rounds = sorted(
-            {int(m.group(2)) for m in map(common.ROUND_PHASE.match, phases) if m and m.group(1) in (off_base, ours_base)}
+            {
+                int(m.group(2))
+                for m in map(common.ROUND_PHASE.match, phases)
+                if m and m.group(1) in (off_base, ours_base)
+            }
         )
         if not rounds:
             continue
