@@ -128,6 +128,13 @@ class TcpProxy:
     def down(self) -> None:
         listener, self._listener = self._listener, None
         if listener is not None:
+            # Shut down first: close() alone leaves the accept() blocked on another thread holding the socket,
+            # which goes on listening (and accepts a connection) until that accept returns, and the port
+            # cannot be bound again meanwhile.
+            try:
+                listener.shutdown(self._socket.SHUT_RDWR)
+            except OSError:
+                pass
             listener.close()
         with self._lock:
             conns, self._conns = self._conns, []
