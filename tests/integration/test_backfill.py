@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -42,18 +43,20 @@ class Stack:
     def __init__(self, home: Path, env: dict[str, str], log: Path):
         self.home, self.env, self.log = home, env, log
         self.proc: subprocess.Popen | None = None
+        self._conn: Any = None
         self.dsn = env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].replace("postgresql+psycopg2://", "postgresql://", 1)
 
     def query(self, sql: str, *params: str) -> list[tuple]:
+        """Rows of one statement, on a connection kept open between polls (each statement its own
+        transaction, so every poll sees what the scheduler committed since)."""
         import psycopg2
 
-        conn = psycopg2.connect(self.dsn)
-        try:
-            cur = conn.cursor()
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg2.connect(self.dsn)
+            self._conn.autocommit = True
+        with self._conn.cursor() as cur:
             cur.execute(sql, params)
             return list(cur.fetchall())
-        finally:
-            conn.close()
 
     def cli(self, *args: str, timeout: float = 300) -> str:
         airflow = str(Path(sys.executable).with_name("airflow"))
@@ -91,6 +94,8 @@ class Stack:
             time.sleep(2)
 
     def stop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
         if self.proc is None:
             return
         import signal
