@@ -38,9 +38,13 @@ class ChatServer:
                 await asyncio.wait_for(self.release.wait(), HOLD_S)
             finally:
                 self.held_ended.append(text)
-        return web.json_response(
-            {"choices": [{"message": {"content": text.upper()}}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
-        )
+        body = {
+            "choices": [{"message": {"content": text.upper()}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+        }
+        if text.startswith("compact"):  # JSON as some servers write it: no spaces, a key order of their own
+            return web.Response(text=compact_answer(text), content_type="application/json")
+        return web.json_response(body)
 
     def set_free(self):
         self.loop.call_soon_threadsafe(self.release.set)
@@ -49,6 +53,13 @@ class ChatServer:
         self.set_free()
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def compact_answer(text: str) -> str:
+    return json.dumps(
+        {"usage": {"completion_tokens": 2, "prompt_tokens": 1}, "choices": [{"message": {"content": text.upper()}}]},
+        separators=(",", ":"),
+    )
 
 
 @pytest.fixture
@@ -136,3 +147,16 @@ def test_each_caller_queues_enough_rows_to_keep_its_slots_busy(batch_size, max_i
     n = batches_in_flight(http)
     assert n >= 2, "the next batch is already there when one ends"
     assert n * batch_size >= 2 * max_in_flight or n == 16, "twice the in-flight slots queued, up to 16 batches"
+
+
+def test_the_answer_is_passed_on_as_the_server_wrote_it(server):
+    """The response column holds the server's JSON text itself, not the body parsed and written out again."""
+    caller = caller_for(server)
+    try:
+        worker, result = call_in_thread(caller, batch_of("compact one", "plain"))
+        worker.join(timeout=30)
+        assert result[RESPONSE][0] == compact_answer("compact one")
+        assert json.loads(result[RESPONSE][1])["choices"][0]["message"]["content"] == "PLAIN"
+        assert result[TOKENS_OUT] == [2, 1]
+    finally:
+        caller.close()

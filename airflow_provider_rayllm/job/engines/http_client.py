@@ -74,6 +74,9 @@ class CallResult:
     error: str
     attempts: int
     seconds: float
+    # The answer's JSON text as the server sent it (the body above, parsed from it): passed on as it is, so a
+    # row's answer is not written out as JSON a second time.
+    text: str = ""
 
 
 # The largest response body a row may get (an error row above it, for that row only): a chat answer or
@@ -136,7 +139,7 @@ class EndpointClient:
         ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
         return random.uniform(0, ceiling)
 
-    async def _once(self, payload: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async def _once(self, payload: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
         import aiohttp
 
         await self.limiter.wait()
@@ -144,22 +147,26 @@ class EndpointClient:
         async with self.session.post(self.url, data=json.dumps(payload), allow_redirects=False) as resp:
             raw = await resp.content.read(self.max_response_bytes + 1)
             if len(raw) > self.max_response_bytes:
-                return resp.status, {"__error__": f"response body over {self.max_response_bytes} bytes"}
+                return resp.status, {"__error__": f"response body over {self.max_response_bytes} bytes"}, ""
             try:
                 text = raw.decode(resp.charset or "utf-8")
             except (UnicodeDecodeError, LookupError) as exc:
-                return resp.status, {"__error__": f"response body is not valid {resp.charset or 'utf-8'}: {exc}"}
+                return resp.status, {"__error__": f"response body is not valid {resp.charset or 'utf-8'}: {exc}"}, ""
             if 300 <= resp.status < 400:
                 where = resp.headers.get("Location", "?")
-                return resp.status, {
-                    "__error__": f"redirected to {redact(where)}; redirects are not followed (the request carries the API key)"
-                }
+                return (
+                    resp.status,
+                    {
+                        "__error__": f"redirected to {redact(where)}; redirects are not followed (the request carries the API key)"
+                    },
+                    "",
+                )
             if resp.status in RETRY_STATUSES:
                 raise RetryableStatus(resp.status, _reason(text), parse_retry_after(resp.headers.get("Retry-After")))
             if resp.status >= 400:
-                return resp.status, {"__error__": _reason(text)}
+                return resp.status, {"__error__": _reason(text)}, ""
             try:
-                return resp.status, json.loads(text)
+                return resp.status, json.loads(text), text
             except json.JSONDecodeError:
                 raise aiohttp.ClientPayloadError(f"unparsable response body: {text[:120]!r}") from None
 
@@ -174,7 +181,7 @@ class EndpointClient:
             while True:
                 attempts += 1
                 try:
-                    status, body = await self._once(payload)
+                    status, body, text = await self._once(payload)
                     break
                 except (RetryableStatus, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                     if attempts > self.max_retries or time.monotonic() - first >= self.max_total_wait_s:
@@ -196,7 +203,7 @@ class EndpointClient:
                     )
         if "__error__" in body:
             return CallResult(False, None, status, body["__error__"], attempts, time.monotonic() - started)
-        return CallResult(True, body, status, "", attempts, time.monotonic() - started)
+        return CallResult(True, body, status, "", attempts, time.monotonic() - started, text)
 
 
 def _reason(text: str) -> str:
