@@ -117,7 +117,7 @@ class HttpCaller:
             return "", result.status or 0, result.attempts, message, 0, 0
         body = result.body or {}
         return (
-            result.text or json.dumps(body),
+            result.text,
             result.status,
             result.attempts,
             "",

@@ -147,24 +147,21 @@ class EndpointClient:
         async with self.session.post(self.url, data=json.dumps(payload), allow_redirects=False) as resp:
             raw = await resp.content.read(self.max_response_bytes + 1)
             if len(raw) > self.max_response_bytes:
-                return resp.status, {"__error__": f"response body over {self.max_response_bytes} bytes"}, ""
+                return _row_error(resp.status, f"response body over {self.max_response_bytes} bytes")
             try:
                 text = raw.decode(resp.charset or "utf-8")
             except (UnicodeDecodeError, LookupError) as exc:
-                return resp.status, {"__error__": f"response body is not valid {resp.charset or 'utf-8'}: {exc}"}, ""
+                return _row_error(resp.status, f"response body is not valid {resp.charset or 'utf-8'}: {exc}")
             if 300 <= resp.status < 400:
                 where = resp.headers.get("Location", "?")
-                return (
+                return _row_error(
                     resp.status,
-                    {
-                        "__error__": f"redirected to {redact(where)}; redirects are not followed (the request carries the API key)"
-                    },
-                    "",
+                    f"redirected to {redact(where)}; redirects are not followed (the request carries the API key)",
                 )
             if resp.status in RETRY_STATUSES:
                 raise RetryableStatus(resp.status, _reason(text), parse_retry_after(resp.headers.get("Retry-After")))
             if resp.status >= 400:
-                return resp.status, {"__error__": _reason(text)}, ""
+                return _row_error(resp.status, _reason(text))
             try:
                 return resp.status, json.loads(text), text
             except json.JSONDecodeError:
@@ -204,6 +201,11 @@ class EndpointClient:
         if "__error__" in body:
             return CallResult(False, None, status, body["__error__"], attempts, time.monotonic() - started)
         return CallResult(True, body, status, "", attempts, time.monotonic() - started, text)
+
+
+def _row_error(status: int, message: str) -> tuple[int, dict[str, Any], str]:
+    """What ``_once`` returns for an answer that is this row's error, not a retry: no body text to pass on."""
+    return status, {"__error__": message}, ""
 
 
 def _reason(text: str) -> str:
