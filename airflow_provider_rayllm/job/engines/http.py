@@ -186,9 +186,17 @@ class HttpShaper(Shaper):
         super().__init__(spec, package_dir)
         assert spec.http is not None
         self.endpoint = spec.http.endpoint
+        # The last answer's text and its parsed body: ``view`` follows ``answer`` for the same row and reads it
+        # again only if the text is another one.
+        self._parsed: tuple[Any, dict[str, Any]] | None = None
+
+    def _body(self, text: Any) -> dict[str, Any]:
+        if self._parsed is None or self._parsed[0] is not text:
+            self._parsed = (text, json.loads(text))
+        return self._parsed[1]
 
     def answer(self, row: dict[str, Any]) -> tuple[Any, int, int, dict[str, Any]]:
-        body = json.loads(row[RESPONSE])
+        body = self._body(row[RESPONSE])
         usage = body.get("usage") or {}
         value = extract(body, self.endpoint)
         extra: dict[str, Any] = {"attempts": count(row.get("attempts"))}
@@ -202,7 +210,7 @@ class HttpShaper(Shaper):
     def view(self, row: dict[str, Any], kept: dict[str, Any], value: Any) -> dict[str, Any]:
         return {
             **kept,
-            "http_response": json.loads(row[RESPONSE]),
+            "http_response": self._body(row[RESPONSE]),
             "http_status": count(row.get("http_status")),
             self.output_column: value,
         }
