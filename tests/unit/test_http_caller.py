@@ -38,13 +38,9 @@ class ChatServer:
                 await asyncio.wait_for(self.release.wait(), HOLD_S)
             finally:
                 self.held_ended.append(text)
-        body = {
-            "choices": [{"message": {"content": text.upper()}}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1},
-        }
         if text.startswith("compact"):  # JSON as some servers write it: no spaces, a key order of their own
             return web.Response(text=compact_answer(text), content_type="application/json")
-        return web.json_response(body)
+        return web.json_response(answer_body(text))
 
     def set_free(self):
         self.loop.call_soon_threadsafe(self.release.set)
@@ -55,11 +51,16 @@ class ChatServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+def answer_body(text: str, completion_tokens: int = 1) -> dict:
+    return {
+        "choices": [{"message": {"content": text.upper()}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": completion_tokens},
+    }
+
+
 def compact_answer(text: str) -> str:
-    return json.dumps(
-        {"usage": {"completion_tokens": 2, "prompt_tokens": 1}, "choices": [{"message": {"content": text.upper()}}]},
-        separators=(",", ":"),
-    )
+    """The same answer (two tokens) with its keys in another order and no spaces."""
+    return json.dumps(dict(reversed(answer_body(text, 2).items())), separators=(",", ":"))
 
 
 @pytest.fixture
