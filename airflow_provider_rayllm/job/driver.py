@@ -86,6 +86,8 @@ def plan(
 ) -> Any:
     """The lazy plan up to the sink: rows -> requests -> blocks of one engine batch -> answered rows, counted
     (and held to the budgets) as they leave the engine."""
+    import ray.data
+
     stage = dict(
         prompt=spec.prompt,
         task_type=spec.task_type,
@@ -99,8 +101,6 @@ def plan(
     )
     if spec.gated:
         # One actor sees every id: the uniqueness check and the resume and incremental skips need one place.
-        import ray.data
-
         ds = ds.map_batches(
             RequestStage,
             fn_constructor_kwargs=stage,
@@ -122,7 +122,17 @@ def plan(
     limits = spec.limits
     budget = Budget(limits.max_tokens_budget, limits.max_cost, engine.prices())
     tap = AnswerCounter(counts, ERROR, engine.tokens_out(), engine.tokens_in(), budget if budget.active else None)
-    return answered.map_batches(tap, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **LIGHT)
+    # As many taps at once as there are engine replicas: a tap per answered block, each at a fifth of a CPU,
+    # would otherwise run several at once and Ray would start a worker process for each (about 2 CPU-s apiece,
+    # five for a 200-row job) to count a few rows.
+    return answered.map_batches(
+        tap,
+        batch_format="pyarrow",
+        batch_size=None,
+        zero_copy_batch=True,
+        compute=ray.data.TaskPoolStrategy(size=engine.replicas()),
+        **LIGHT,
+    )
 
 
 # The write tasks ask for a different share of a CPU than the stages before them, so that Ray Data keeps

@@ -295,6 +295,23 @@ def run_in_thread(op: Any, ti: Any) -> tuple[Any, dict[str, Any]]:
     return thread, outcome
 
 
+def task_workers(info: Any, submission_id: str, name: str) -> list[str]:
+    """The worker processes (Ray's worker ids) that ran the job's tasks whose name holds ``name``, from the
+    cluster's state API (one entry per task attempt, in no order; a task not yet placed has none)."""
+    import urllib.request
+
+    from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+
+    job_id = RayJobHook().client.get_job_info(submission_id).job_id
+    query = f"detail=1&limit=10000&filter_keys=job_id&filter_predicates=%3D&filter_values={job_id}"
+    request = urllib.request.Request(
+        f"{info.dashboard_url}/api/v0/tasks?{query}", headers={"Authorization": f"Bearer {info.token}"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        tasks = json.loads(resp.read())["data"]["result"]["result"]
+    return [t["worker_id"] for t in tasks if name in (t.get("name") or "") and t.get("worker_id")]
+
+
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.2) -> None:
     deadline = time.time() + timeout
     while not predicate():

@@ -56,6 +56,10 @@ class Engine:
         """CPUs the engine's actors hold for the whole job."""
         raise NotImplementedError
 
+    def replicas(self) -> int:
+        """The most engine actors the job runs at once: answered batches come from at most this many places."""
+        raise NotImplementedError
+
     def details(self, totals: dict[str, Any]) -> dict[str, Any]:
         return {}
 

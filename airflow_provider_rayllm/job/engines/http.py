@@ -241,6 +241,9 @@ class HttpEngine(Engine):
     def reserved_cpus(self) -> float:
         return self.http.concurrency * LIGHT["num_cpus"]
 
+    def replicas(self) -> int:
+        return self.http.concurrency
+
     def apply(self, ds: Any) -> Any:
         return call_endpoint(ds, self.http)
 

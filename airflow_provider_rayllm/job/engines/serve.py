@@ -172,6 +172,9 @@ class ServeEngine(Engine):
     def reserved_cpus(self) -> float:
         return self.serve.concurrency * LIGHT["num_cpus"]
 
+    def replicas(self) -> int:
+        return self.serve.concurrency
+
     def apply(self, ds: Any) -> Any:
         from ray.data.llm import ServeDeploymentProcessorConfig, build_processor
 

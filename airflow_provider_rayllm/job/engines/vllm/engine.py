@@ -115,12 +115,15 @@ class VLLMEngine(Engine):
     def actor_name(self) -> str:
         return "vLLMEngineStageUDF"
 
+    def replicas(self) -> int:
+        p = self.p
+        return p.concurrency if isinstance(p.concurrency, int) else max(p.concurrency)
+
     def reserved_cpus(self) -> float:
         p = self.p
-        replicas = p.concurrency if isinstance(p.concurrency, int) else max(p.concurrency)
         stages = len(self.stages())
         stage_cpus = CPU_STAGE_NUM_CPUS if self.profile == "cpu" else 1.0
-        return replicas * (engine_cpus(p, self.placement, self.engine_kwargs) + stages * stage_cpus)
+        return self.replicas() * (engine_cpus(p, self.placement, self.engine_kwargs) + stages * stage_cpus)
 
     def apply(self, ds: Any) -> Any:
         import time
@@ -150,8 +153,7 @@ class VLLMEngine(Engine):
         manifest's cost counts the actors' actual lifetimes)."""
         if self.p.price_per_hour is None:
             return Prices()
-        replicas = self.p.concurrency if isinstance(self.p.concurrency, int) else max(self.p.concurrency)
-        per_second = self.p.price_per_hour / 3600 * self.billed_units() * replicas
+        per_second = self.p.price_per_hour / 3600 * self.billed_units() * self.replicas()
         return Prices(per_second=per_second, since=getattr(self, "requested_at", None))
 
     def details(self, totals: dict[str, Any]) -> dict[str, Any]:
