@@ -117,9 +117,9 @@ def cleanup(package_dir: str, timeout_s: float = 15.0) -> None:
     """Remove the secrets from every node's copy of the job package and the package from the cluster's store.
 
     The driver's own node and the store first (quick, so a stop's SIGKILL cannot come between); then, even
-    when the store could not be reached, a task per live node runs in the job's own runtime env (its working
-    directory is that node's copy of the package, which a node keeps after the store's copy is gone) and
-    deletes the files there."""
+    when the store could not be reached, a task per other live node runs in the job's own runtime env (its
+    working directory is that node's copy of the package, which a node keeps after the store's copy is gone)
+    and deletes the files there."""
     import ray
 
     remove_local(package_dir)
@@ -128,32 +128,31 @@ def cleanup(package_dir: str, timeout_s: float = 15.0) -> None:
     try:
         remove_package()
     finally:
-        _remove_on_every_node(timeout_s)
+        _on_other_nodes(remove_local, timeout_s)
 
 
-def _on_every_node(function: Any, timeout_s: float, *args: Any) -> list[Any]:
-    """``function(*args)`` as a task pinned to each live node, in the job's runtime env; the results. A node
-    whose task did not end within ``timeout_s`` is an error that names it."""
+def _on_other_nodes(function: Any, timeout_s: float, *args: Any) -> list[Any]:
+    """``function(*args)`` as a task pinned to each live node other than this process's own, in the job's
+    runtime env; the results. This node's part is the caller's, in its own process: a task here would start a
+    worker process (about 1.5 CPU-s) for what takes a millisecond. A node whose task did not end within
+    ``timeout_s`` is an error that names it."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive") and node["NodeID"] != here]
+    if not nodes:
+        return []
     remote = ray.remote(num_cpus=0, max_retries=0)(function)
     refs = {
-        remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
-            *args
-        ): node["NodeID"]
-        for node in ray.nodes()
-        if node.get("Alive")
+        remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*args): node
+        for node in nodes
     }
     ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     if pending:
         missing = sorted(refs[ref][:12] for ref in pending)
         raise RuntimeError(f"{len(pending)} node(s) did not answer within {timeout_s:.0f} s: {missing}")
     return ray.get(ready)
-
-
-def _remove_on_every_node(timeout_s: float) -> None:
-    _on_every_node(remove_local, timeout_s)
 
 
 def _leftovers_here(ended: list[str]) -> list[str]:
@@ -225,7 +224,9 @@ def sweep_leftovers(timeout_s: float = 15.0) -> list[str]:
         ray.init(log_to_driver=False)
     jobs = _jobs()
     ended = sorted(str(j.submission_id) for j in jobs if j.submission_id and not _active(j))
-    removed = [path for found in _on_every_node(_leftovers_here, timeout_s, ended) for path in found]
+    # This node's packages from here (the driver's working directory is its own package), the others' by tasks.
+    removed = _leftovers_here(ended)
+    removed += [path for found in _on_other_nodes(_leftovers_here, timeout_s, ended) for path in found]
     for job in jobs:
         package = str((job.runtime_env or {}).get("working_dir") or "")
         ours = (job.metadata or {}).get("rayllm_submission_id")

@@ -164,6 +164,54 @@ def test_tensor_parallel_replicas_run_one_per_worker_node_and_embed_right(multi_
     assert not set(engines) & head, "engines asked for a worker node's rayllm_engine_node"
 
 
+_NODE_COPIES = """
+import os
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from airflow_provider_rayllm.job import secrets
+
+ray.init(log_to_driver=False)
+
+@ray.remote(num_cpus=0)
+def holds_secrets():
+    return os.path.exists(os.path.join(os.getcwd(), "secrets.json"))
+
+# A worker on each node: each node unpacks the job's package, secrets file and all.
+nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+pinned = [holds_secrets.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)) for n in nodes]
+print("HELD", sum(ray.get([task.remote() for task in pinned])), "of", len(nodes), flush=True)
+secrets.cleanup(os.getcwd())
+"""
+
+
+def test_the_drivers_cleanup_removes_the_secrets_from_every_nodes_copy(multi_node, tmp_path):
+    """A job's package (its secrets file with it) is unpacked on every node that ran one of its workers. The
+    driver removes its own node's copy itself and the other nodes' copies by a task pinned to each."""
+    import time
+    import uuid
+
+    from ray.job_submission import JobSubmissionClient
+
+    from tests.integration.helpers import files_holding, wait_for
+
+    info = multi_node["info"]
+    canary = {"multi-node job's key": f"sk-canary-{uuid.uuid4().hex}"}
+    (tmp_path / "secrets.json").write_text(json.dumps({"API_KEY": next(iter(canary.values()))}))
+    (tmp_path / "probe.py").write_text(_NODE_COPIES)
+    client = JobSubmissionClient(info.dashboard_url, headers={"Authorization": f"Bearer {info.token}"})
+    sid = client.submit_job(entrypoint="python probe.py", runtime_env={"working_dir": str(tmp_path)})
+    wait_for(lambda: client.get_job_status(sid).is_terminal(), 180, "the probe job to end", interval=1.0)
+    logs = client.get_job_logs(sid)
+    assert str(client.get_job_status(sid)).endswith("SUCCEEDED"), logs[-3000:]
+    assert "HELD 3 of 3" in logs, logs[-3000:]
+    started = time.monotonic()
+    left = files_holding(info, canary)
+    while left and time.monotonic() - started < 10:  # the package's own upload copy may be mid-removal
+        time.sleep(1)
+        left = files_holding(info, canary)
+    assert left == [], left
+
+
 # Decided before the fixtures start an Airflow database; the Hub is asked only where 4 GPUs are.
 _GPUS = gpu_count()
 _NO_HUB = hub_unreachable() if _GPUS >= 4 else None
