@@ -42,7 +42,7 @@ from airflow_provider_rayllm.job.requests.prefix import PrefixGrouping, window_r
 from airflow_provider_rayllm.job.requests.stage import RequestStage
 from airflow_provider_rayllm.job.sinks.files import ResultSink, totals
 from airflow_provider_rayllm.job.sources import open_input
-from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, LIGHT
+from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, LIGHT, light_tasks
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 
@@ -122,16 +122,10 @@ def plan(
     limits = spec.limits
     budget = Budget(limits.max_tokens_budget, limits.max_cost, engine.prices())
     tap = AnswerCounter(counts, ERROR, engine.tokens_out(), engine.tokens_in(), budget if budget.active else None)
-    # As many taps at once as there are engine replicas: a tap per answered block, each at a fifth of a CPU,
-    # would otherwise run several at once and Ray would start a worker process for each (about 2 CPU-s apiece,
-    # five for a 200-row job) to count a few rows.
+    # As many taps at once as there are engine replicas (five worker processes for a 200-row job otherwise);
+    # the engine's own light last step (Ray's postprocess) has the same arguments, and the two fuse.
     return answered.map_batches(
-        tap,
-        batch_format="pyarrow",
-        batch_size=None,
-        zero_copy_batch=True,
-        compute=ray.data.TaskPoolStrategy(size=engine.replicas()),
-        **LIGHT,
+        tap, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **light_tasks(engine.replicas())
     )
 
 

@@ -18,6 +18,18 @@ ERROR = "__inference_error__"
 # Our light stages (requests, callers, writes) take a fifth of a CPU: at a whole CPU each they would wait
 # behind the engine's stage actors on a small cluster, and deadlock a 2-core one.
 LIGHT: dict[str, Any] = {"num_cpus": 0.2}
+
+
+def light_tasks(replicas: int) -> dict[str, Any]:
+    """Map arguments of a light task stage beside an engine of ``replicas`` actors: a fifth of a CPU, and at
+    most as many tasks at once as the engine has replicas (answers come from no more places than that). At a
+    fifth of a CPU, several tasks of a stage would run at once, and Ray starts a worker process for each
+    (about 2 CPU-s apiece) to handle a few rows. Stages with the same arguments fuse into one task."""
+    import ray.data
+
+    return {**LIGHT, "compute": ray.data.TaskPoolStrategy(size=replicas)}
+
+
 # Ray Data restarts a dead map actor for ever by default (max_restarts=-1), so an actor that dies on every
 # start (a bad image, a crash in its constructor) would hold the job without an end. A few restarts still
 # ride out a killed worker or a dead engine (Ray's vLLM stage exits its actor to get a fresh engine).

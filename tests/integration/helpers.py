@@ -295,9 +295,8 @@ def run_in_thread(op: Any, ti: Any) -> tuple[Any, dict[str, Any]]:
     return thread, outcome
 
 
-def task_workers(info: Any, submission_id: str, name: str) -> list[str]:
-    """The worker processes (Ray's worker ids) that ran the job's tasks whose name holds ``name``, from the
-    cluster's state API (one entry per task attempt, in no order; a task not yet placed has none)."""
+def _tasks_named(info: Any, submission_id: str, name: str) -> list[dict[str, Any]]:
+    """The job's task records (one per attempt) whose name holds ``name``, from the cluster's state API."""
     import urllib.request
 
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
@@ -309,7 +308,28 @@ def task_workers(info: Any, submission_id: str, name: str) -> list[str]:
     )
     with urllib.request.urlopen(request, timeout=30) as resp:
         tasks = json.loads(resp.read())["data"]["result"]["result"]
-    return [t["worker_id"] for t in tasks if name in (t.get("name") or "") and t.get("worker_id")]
+    return [t for t in tasks if name in (t.get("name") or "")]
+
+
+def most_at_once(info: Any, submission_id: str, name: str, timeout: float = 30.0) -> tuple[int, int]:
+    """How many of the job's tasks named ``name`` ran at the same moment at most, and how many ran, from their
+    start and end times, once every record has come in (workers report their tasks every second or so)."""
+    deadline = time.time() + timeout
+    while True:
+        tasks = _tasks_named(info, submission_id, name)
+        if tasks and all(t.get("state") in ("FINISHED", "FAILED") for t in tasks):
+            tasks = [t for t in tasks if t.get("start_time_ms") and t.get("end_time_ms")]
+            break
+        if time.time() > deadline:
+            states = sorted((t.get("state"), bool(t.get("start_time_ms")), bool(t.get("end_time_ms"))) for t in tasks)
+            raise AssertionError(f"{name!r} tasks of {submission_id} not all ended after {timeout:.0f} s: {states}")
+        time.sleep(1.5)
+    edges = sorted([(t["start_time_ms"], 1) for t in tasks] + [(t["end_time_ms"], -1) for t in tasks])
+    running = most = 0
+    for _, step in edges:  # an end before a start at the same millisecond: touching spans do not overlap
+        running += step
+        most = max(most, running)
+    return most, len(tasks)
 
 
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.2) -> None:

@@ -14,6 +14,7 @@ from tests.integration.helpers import (
     check_demo_embeddings,
     lmms_eval_lite_repo,
     load_dag,
+    most_at_once,
     png,
     read_rows,
     utc,
@@ -57,6 +58,11 @@ def test_the_guides_embeddings_stream_2048_rows_with_no_engine_kwargs(ray_conn, 
     assert note is not None, "the driver notes its first output file"
     assert int(note.group(1)) < rows, "the first file was written before the engine answered every row"
     assert len(manifest["output_files"]) >= 2
+
+    # The answers' blocks of 32 went through Ray's postprocess and our progress tap, fused into one task per
+    # block, one at a time for the one engine: several at once, Ray starts a worker process for each.
+    most, ran = most_at_once(ray_conn["info"], manifest["submission_id"], "AnswerCounter")
+    assert ran > 1 and most == 1, f"{most} of the postprocess and tap's {ran} tasks ran at once"
 
 
 def test_structured_outputs_parse_and_validate(ray_conn, airflow_db, smollm2):

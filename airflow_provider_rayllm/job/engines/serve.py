@@ -16,7 +16,16 @@ from airflow_provider_rayllm.job.engines.base import Engine
 from airflow_provider_rayllm.job.engines.http import extract, openai_body
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.shaping import Shaper
-from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, LIGHT, PRE_ERROR, REQUEST, count, to_python
+from airflow_provider_rayllm.job.stream import (
+    ACTOR_RETRIES,
+    ERROR,
+    LIGHT,
+    PRE_ERROR,
+    REQUEST,
+    count,
+    light_tasks,
+    to_python,
+)
 
 # Our endpoint names -> (the Serve LLM server's method, its request class, the HTTP pipeline's endpoint)
 METHODS = {
@@ -189,8 +198,9 @@ class ServeEngine(Engine):
             should_continue_on_error=True,
             request_timeout_s=self.serve.request_timeout_s,
         )
+        light = light_tasks(self.replicas())
         processor = build_processor(
-            config, preprocess=ServeRequest(self.serve), preprocess_map_kwargs=LIGHT, postprocess_map_kwargs=LIGHT
+            config, preprocess=ServeRequest(self.serve), preprocess_map_kwargs=light, postprocess_map_kwargs=light
         )
         # The stage's actors only wait on the deployment's answers: a whole CPU each would starve a small
         # cluster whose CPUs the deployment's replicas already hold.

@@ -12,7 +12,7 @@ from airflow_provider_rayllm.contract.spec import VLLMProcessorSpec
 from airflow_provider_rayllm.job.compat import config_only_transformers
 from airflow_provider_rayllm.job.engines.vllm.chat_template import ChatTemplate
 from airflow_provider_rayllm.job.engines.vllm.settings import CPU_STAGE_NUM_CPUS, Feed, engine_runtime_env
-from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, LIGHT, PRE_ERROR, REQUEST
+from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, PRE_ERROR, REQUEST, light_tasks
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 
@@ -65,6 +65,7 @@ def build(
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
     detokenize = _stage(spec.detokenize_stage if spec.task_type == "generate" else False, profile)
+    replicas = spec.concurrency if isinstance(spec.concurrency, int) else max(spec.concurrency)
     config = vLLMEngineProcessorConfig(
         model_source=spec.model_source,
         task_type=spec.task_type,
@@ -98,8 +99,8 @@ def build(
         processor = build_processor(
             config,
             preprocess=functools.partial(unpack_request, engine_detokenizes=not detokenize_on, template=template),
-            preprocess_map_kwargs=LIGHT,
-            postprocess_map_kwargs=LIGHT,
+            preprocess_map_kwargs=light_tasks(replicas),
+            postprocess_map_kwargs=light_tasks(replicas),
             builder_kwargs=builder_kwargs,
         )
     for stage in processor.stages.values():  # every stage is a pool of actors
