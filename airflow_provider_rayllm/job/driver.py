@@ -86,8 +86,6 @@ def plan(
 ) -> Any:
     """The lazy plan up to the sink: rows -> requests -> blocks of one engine batch -> answered rows, counted
     (and held to the budgets) as they leave the engine."""
-    import ray.data
-
     stage = dict(
         prompt=spec.prompt,
         task_type=spec.task_type,
@@ -101,6 +99,8 @@ def plan(
     )
     if spec.gated:
         # One actor sees every id: the uniqueness check and the resume and incremental skips need one place.
+        import ray.data
+
         ds = ds.map_batches(
             RequestStage,
             fn_constructor_kwargs=stage,

@@ -131,7 +131,9 @@ class VLLMEngine(Engine):
         # The engines are asked for when this lazy plan starts, moments later; a canary's plan comes first and
         # its engines count too.
         self.requested_at = getattr(self, "requested_at", None) or time.time()
-        return build(self.p, self.profile, self.engine_kwargs, self.placement, self.feed, self.template)(ds)
+        return build(
+            self.p, self.profile, self.engine_kwargs, self.placement, self.feed, self.replicas(), self.template
+        )(ds)
 
     def shaper(self) -> Shaper:
         return VLLMShaper(self.spec, self.package_dir, self.labels)

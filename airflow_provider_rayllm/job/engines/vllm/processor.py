@@ -58,14 +58,16 @@ def build(
     engine_kwargs: dict[str, Any],
     placement: dict[str, Any] | None,
     feed: Feed,
+    replicas: int,
     template: ChatTemplate | None = None,
 ) -> Any:
     """Ray's vLLM processor; with ``template`` the chat template is applied in its preprocess, and Ray's
-    chat-template stage (an actor that imports transformers) is left out."""
+    chat-template stage (an actor that imports transformers) is left out. Its pre- and postprocess steps run at
+    most ``replicas`` (the engine's) tasks at once, as the job's progress tap does, so the postprocess fuses
+    with it."""
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
     detokenize = _stage(spec.detokenize_stage if spec.task_type == "generate" else False, profile)
-    replicas = spec.concurrency if isinstance(spec.concurrency, int) else max(spec.concurrency)
     config = vLLMEngineProcessorConfig(
         model_source=spec.model_source,
         task_type=spec.task_type,
@@ -95,12 +97,13 @@ def build(
     )
     builder_kwargs = {"chat_template_kwargs": spec.chat_template_kwargs} if spec.chat_template_kwargs else None
     detokenize_on = bool(detokenize.get("enabled", True)) if isinstance(detokenize, dict) else bool(detokenize)
+    light = light_tasks(replicas)
     with config_only_transformers():  # Ray reads the model's architecture for its telemetry only
         processor = build_processor(
             config,
             preprocess=functools.partial(unpack_request, engine_detokenizes=not detokenize_on, template=template),
-            preprocess_map_kwargs=light_tasks(replicas),
-            postprocess_map_kwargs=light_tasks(replicas),
+            preprocess_map_kwargs=light,
+            postprocess_map_kwargs=light,
             builder_kwargs=builder_kwargs,
         )
     for stage in processor.stages.values():  # every stage is a pool of actors
