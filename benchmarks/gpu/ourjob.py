@@ -172,7 +172,8 @@ class EngineCoreWatch:
             fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
             ppid = fields.get("PPid", "").strip()
             # the engine core by its title, or any child of the engine's Ray actor (should the title differ)
-            if "EngineCore" not in cmd and not (ppid and "vLLMEngineStage" in self._read(f"/proc/{ppid}/cmdline", 300)):
+            parent = self._read(f"/proc/{ppid}/cmdline", 300) if ppid else ""
+            if "EngineCore" not in cmd and not any(actor in parent for actor in ENGINE_ACTORS):
                 continue
             maps = self._read(f"/proc/{pid_s}/maps", 64 * 1024 * 1024)
             self.seen[int(pid_s)] = {
@@ -202,7 +203,11 @@ def mp_lines(log: str, limit: int = 40) -> list[str]:
     return out[:limit] + (["..."] + out[-10:] if len(out) > limit + 10 else out[limit:])
 
 
-def engine_ready_at(dashboard: str, actor: str, lo: float, hi: float) -> float | None:
+# The engine actors' classes: Ray's vLLM stage, and ours for embeddings (engines/vllm/embed.py).
+ENGINE_ACTORS = ("vLLMEngineStageUDF", "VLLMEmbedStage")
+
+
+def engine_ready_at(dashboard: str, actors: tuple[str, ...], lo: float, hi: float) -> float | None:
     """When the engine's actor finished its constructor (which starts vLLM's engine): the end of its actor
     creation task, in Ray's own task record (milliseconds), for the first such actor between lo and hi."""
     from ray.util.state import list_tasks
@@ -212,14 +217,14 @@ def engine_ready_at(dashboard: str, actor: str, lo: float, hi: float) -> float |
         t.end_time_ms / 1000
         for t in tasks
         if getattr(t, "type", "") == "ACTOR_CREATION_TASK"
-        and actor in (getattr(t, "func_or_class_name", "") or "")
+        and any(actor in (getattr(t, "func_or_class_name", "") or "") for actor in actors)
         and getattr(t, "end_time_ms", None)
         and lo <= t.end_time_ms / 1000 <= hi
     ]
     return min(ends) if ends else None
 
 
-def exact_windows(info, manifest: dict, dashboard: str, actor: str = "vLLMEngineStageUDF") -> dict:
+def exact_windows(info, manifest: dict, dashboard: str, actors: tuple[str, ...] = ENGINE_ACTORS) -> dict:
     """The job's windows from exact clock times (epoch seconds), for report.py:
     whole job = Ray's own job record, submitted -> terminal (milliseconds);
     engine busy = the engine actor's constructor returned (Ray's task record) -> the last answer the job counted;
@@ -237,7 +242,7 @@ def exact_windows(info, manifest: dict, dashboard: str, actor: str = "vLLMEngine
         out[name] = started + tl[key] if tl.get(key) is not None else None
     ready, source = None, None
     try:
-        ready = engine_ready_at(dashboard, actor, started, out["last_answer"] or out["ended"] or time.time())
+        ready = engine_ready_at(dashboard, actors, started, out["last_answer"] or out["ended"] or time.time())
         source = "ray task record: engine actor constructor end" if ready else None
     except Exception as exc:  # the state API may refuse; the driver's own mark (10 s poll) is the fallback
         out["engine_ready_error"] = repr(exc)[:300]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -33,19 +34,29 @@ def _run(name: str, task_id: str, conf: dict, day: int, folder: str = "dags_exam
     return xcom(dag.dag_id, dag_run.run_id, task_id, "return_value")
 
 
-def test_the_guides_embeddings_stream_2048_rows_with_no_engine_kwargs(ray_conn, airflow_db):
+def test_the_guides_embeddings_stream_2048_rows_with_no_engine_kwargs(ray_conn, airflow_db, tmp_path, monkeypatch):
     """The guide's embeddings block as written (TaskFlow, its own preprocess and postprocess), no
     engine_kwargs: the max_model_len default is fitted to MiniLM's 256 positions. Over 2,048 rows the first
-    output file (of 256 rows, as the example sets) is written while the engine still has rows to answer."""
+    output file (of 256 rows, as the example sets) is written while the engine still has rows to answer.
+    The batches go straight to vLLM's ``LLM.embed``; one sample text longer than MiniLM takes fails alone,
+    with vLLM's reason, and every other row of its batch is embedded."""
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
+    from airflow_provider_rayllm.local import defaults
 
+    samples = tmp_path / "sentences.jsonl"
+    too_long = " ".join(f"word{i}" for i in range(400))
+    samples.write_text(Path(defaults.DEMO_SENTENCES).read_text() + json.dumps({"text": too_long}) + "\n")
+    monkeypatch.setattr(defaults, "DEMO_SENTENCES", samples)
     rows = 2048
     dag = load_dag("dags_examples", "example_embeddings", "example_embeddings")
-    fixed = len(dag.get_task("embed").python_callable.__globals__["GUIDE_TEXTS"]) + 8
+    fixed = len(dag.get_task("embed").python_callable.__globals__["GUIDE_TEXTS"]) + 9
     manifest = _run("example_embeddings", "embed", {"filler_rows": rows - fixed}, 1)
-    assert manifest["rows_in"] == manifest["rows_out"] == rows
+    assert manifest["rows_in"] == rows and manifest["rows_out"] == rows - 1 and manifest["rows_errored"] == 1
+    (refused,) = read_rows(manifest["error_files"])
+    assert refused["text"] == too_long and "256" in refused["error"], refused["error"]
+    monkeypatch.undo()
     assert manifest["engine_kwargs"]["max_model_len"] == 256, "the profile's 2048 capped at the model's own limit"
-    check_demo_embeddings(manifest)
+    check_demo_embeddings(manifest, errored=1)
     guide_row = next(r for r in read_rows(manifest["output_files"]) if r["text"] == "Hello world")
     assert set(guide_row) == {"text", "embedding"}, "the guide's postprocess gives the output row, exactly"
 
@@ -59,10 +70,11 @@ def test_the_guides_embeddings_stream_2048_rows_with_no_engine_kwargs(ray_conn, 
     assert int(note.group(1)) < rows, "the first file was written before the engine answered every row"
     assert len(manifest["output_files"]) >= 2
 
-    # The answers' blocks of 32 went through Ray's postprocess and our progress tap, fused into one task per
-    # block, one at a time for the one engine: several at once, Ray starts a worker process for each.
+    # The answered blocks went through our progress tap one at a time for the one engine: several at once,
+    # Ray starts a worker process for each.
     most, ran = most_at_once(ray_conn["info"], manifest["submission_id"], "AnswerCounter")
-    assert ran > 1 and most == 1, f"{most} of the postprocess and tap's {ran} tasks ran at once"
+    assert ran > 1 and most == 1, f"{most} of the tap's {ran} tasks ran at once"
+    assert "batches straight to vLLM's LLM.embed" in log
 
 
 def test_structured_outputs_parse_and_validate(ray_conn, airflow_db, smollm2):

@@ -256,3 +256,25 @@ def test_a_refusal_the_cluster_answers_comes_before_vllm_is_imported(tmp_path):
     assert "refused: accelerator_type='A100': no node of the Ray cluster offers" in done.stdout, done.stdout
     assert "the cluster's accelerator types: L4" in done.stdout
     assert "vllm imported: False" in done.stdout
+
+
+def test_one_worker_embeddings_go_straight_to_llm_embed_and_the_rest_through_rays_stage():
+    from airflow_provider_rayllm.job.engines.vllm.embed import _vectors, direct_embed
+
+    def reason(**fields):
+        spec = VLLMProcessorSpec(model_source="m", **{"task_type": "embed", **fields})
+        return direct_embed(spec, {**spec.engine_kwargs})
+
+    assert reason() is None
+    assert reason(task_type="generate") == "task_type 'generate'"
+    assert reason(task_type="classify") == "task_type 'classify'"
+    assert reason(engine_kwargs={"tensor_parallel_size": 2}) == "tensor or pipeline parallel engine"
+    assert reason(placement_group_config={"bundles": [{"CPU": 1}]}) == "placement_group_config given"
+    assert reason(dynamic_lora_loading_path="/adapters") == "LoRA adapters"
+    assert reason(tokenize_stage=True) == "Ray's tokenize or multimodal stage asked for"
+
+    # The vectors leave as one float32 column of fixed size, null where a row failed.
+    column = _vectors([[0.5, 0.25], None, [1.0, 0.0]])
+    assert str(column.type) == "fixed_size_list<item: float>[2]"
+    assert column.to_pylist() == [[0.5, 0.25], None, [1.0, 0.0]]
+    assert str(_vectors([[0.5], [1.0, 0.0]]).type) == "list<item: float>"

@@ -5,6 +5,7 @@
     model_config  what the model's own config says (longest sequence, a classifier's labels)
     checks        what the driver checks before any engine starts
     processor     Ray Data's vLLM processor for the stream
+    embed         embeddings of a one-worker engine: whole batches straight to vLLM's ``LLM.embed``
     outputs       vLLM's answers as output rows
     engine        ``VLLMEngine``: the above behind the engines' interface
 

@@ -10,7 +10,7 @@ from airflow_provider_rayllm.contract.spec import JobSpec
 from airflow_provider_rayllm.job.budget import Prices
 from airflow_provider_rayllm.job.compat import FORK_ENV
 from airflow_provider_rayllm.job.engines.base import Engine
-from airflow_provider_rayllm.job.engines.vllm import chat_template
+from airflow_provider_rayllm.job.engines.vllm import chat_template, embed
 from airflow_provider_rayllm.job.engines.vllm.checks import (
     check_engine_kwargs,
     check_lora_adapters,
@@ -52,6 +52,8 @@ class VLLMEngine(Engine):
         self.p = spec.processor
         self.labels: list[str] | None = None  # a classify model's class names, read by check()
         self.template: chat_template.ChatTemplate | None = None  # applied in the request step; set by check()
+        # Why the job goes through Ray's vLLM stage rather than ``embed``'s (None: it does not); set by check().
+        self.through_ray: str | None = "not checked"
 
     def check(self) -> None:
         p = self.p
@@ -82,6 +84,7 @@ class VLLMEngine(Engine):
         check_engine_kwargs(p.model_source, self.engine_kwargs)
         self.feed = feed_for(p, self.engine_kwargs)
         self.template = chat_template.find(p, self.engine_kwargs)
+        self.through_ray = embed.direct_embed(p, self.engine_kwargs)
         if p.task_type == "generate" and self.spec.prompt.preprocess is None:
             check_sampling_params(self.spec.prompt.sampling_params)
         self.gpus = gpus
@@ -96,6 +99,8 @@ class VLLMEngine(Engine):
             layout += "; the chat template applied in the request step"
         if self.p.compile_cache:
             layout += f"; vLLM's cache in {self.p.compile_cache}"
+        if self.through_ray is None:
+            layout += "; batches straight to vLLM's LLM.embed"
         return (
             f"vLLM engine for {self.p.model_source} ({self.p.task_type}), profile {self.profile} (cluster GPUs: {self.gpus:g}){layout}; "
             f"engine_kwargs {redact(self.engine_kwargs)}; placement {self.placement}; {self.p.concurrency} replica(s), "
@@ -113,7 +118,7 @@ class VLLMEngine(Engine):
         return self.p.batch_size
 
     def actor_name(self) -> str:
-        return "vLLMEngineStageUDF"
+        return "vLLMEngineStageUDF" if self.through_ray is not None else "VLLMEmbedStage"
 
     def replicas(self) -> int:
         p = self.p
@@ -131,6 +136,8 @@ class VLLMEngine(Engine):
         # The engines are asked for when this lazy plan starts, moments later; a canary's plan comes first and
         # its engines count too.
         self.requested_at = getattr(self, "requested_at", None) or time.time()
+        if self.through_ray is None:
+            return embed.build(self.p, self.profile, self.engine_kwargs, self.placement, self.feed)(ds)
         return build(
             self.p, self.profile, self.engine_kwargs, self.placement, self.feed, self.replicas(), self.template
         )(ds)
@@ -192,6 +199,8 @@ class VLLMEngine(Engine):
     def stages(self) -> list[str]:
         """Ray's stages besides the engine that this job runs."""
         p = self.p
+        if self.through_ray is None:
+            return []
         return [
             name
             for name in ("prepare_multimodal_stage", "chat_template_stage", "tokenize_stage", "detokenize_stage")
