@@ -109,12 +109,19 @@ class VLLMEmbedStage:
                 continue
             try:
                 requests[i] = json.loads(body or "{}")
-                prompts[i], params[i] = _prompt(requests[i])
-            except (ValueError, TypeError) as exc:
+                prompts[i], given = _prompt(requests[i])
+                if given is not None:
+                    from vllm import PoolingParams
+
+                    params[i] = PoolingParams(**given)
+            except (ValueError, TypeError) as exc:  # vLLM refuses unknown pooling_params with a TypeError
                 errors[i] = f"request: {type(exc).__name__}: {exc}"
         todo = [i for i in range(n) if not errors[i]]
         answers: dict[int, Any] = {}
-        for i, answer in zip(todo, self._embed([prompts[i] for i in todo], [params[i] for i in todo])):
+        embedded = self._embed([prompts[i] for i in todo], [params[i] for i in todo])
+        if len(embedded) != len(todo):  # never leave a row without its answer or its error
+            raise RuntimeError(f"vLLM answered {len(embedded)} of {len(todo)} prompts")
+        for i, answer in zip(todo, embedded):
             if isinstance(answer, str):
                 errors[i] = answer
             else:
@@ -137,11 +144,11 @@ class VLLMEmbedStage:
         if not prompts:
             return []
         try:
-            given = params if any(p is not None for p in params) else None
-            if given is not None:
+            given = None
+            if any(p is not None for p in params):
                 from vllm import PoolingParams
 
-                given = [p if isinstance(p, PoolingParams) else PoolingParams(**(p or {})) for p in given]
+                given = [p if p is not None else PoolingParams() for p in params]
             return list(self.llm.embed(prompts, pooling_params=given, use_tqdm=False))
         except Exception as exc:
             if type(exc).__name__ in FATAL_ERRORS:
