@@ -16,12 +16,12 @@ the error column, as Ray's stage does with ``should_continue_on_error``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
 
 from airflow_provider_rayllm.contract.spec import VLLMProcessorSpec
+from airflow_provider_rayllm.job.engines.vllm.processor import unpack_request
 from airflow_provider_rayllm.job.engines.vllm.settings import Feed, engine_cpus, engine_runtime_env, world_size
 from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, PRE_ERROR, REQUEST
 
@@ -51,39 +51,40 @@ def direct_embed(spec: VLLMProcessorSpec, engine_kwargs: dict[str, Any]) -> str 
     return None
 
 
-def build(
-    spec: VLLMProcessorSpec, profile: str, engine_kwargs: dict[str, Any], placement: dict[str, Any] | None, feed: Feed
+def apply(
+    ds: Any,
+    spec: VLLMProcessorSpec,
+    profile: str,
+    engine_kwargs: dict[str, Any],
+    placement: dict[str, Any] | None,
+    feed: Feed,
 ) -> Any:
-    """The stage as a function of the stream: ``spec.concurrency`` actors, each holding one engine with the
-    resources Ray's stage would give it, fed batches of ``feed.rows_in_flight`` rows (the rows Ray's stage
-    keeps in flight to an engine)."""
+    """The stage on the stream: ``spec.concurrency`` actors, each holding one engine with the resources Ray's
+    stage would give it, fed batches of ``feed.rows_in_flight`` rows (the rows Ray's stage keeps in flight to
+    an engine)."""
+    import ray.data
 
-    def apply(ds: Any) -> Any:
-        import ray.data
-
-        size = spec.concurrency
-        pool = {"size": size} if isinstance(size, int) else {"min_size": size[0], "max_size": size[1]}
-        if spec.max_tasks_in_flight_per_actor is not None:
-            pool["max_tasks_in_flight_per_actor"] = spec.max_tasks_in_flight_per_actor
-        remote: dict[str, Any] = {"num_cpus": engine_cpus(spec, placement, engine_kwargs)}
-        if profile == "gpu":
-            remote["num_gpus"] = 1
-        if spec.accelerator_type:
-            remote["accelerator_type"] = spec.accelerator_type
-        runtime_env = engine_runtime_env(spec, profile, engine_kwargs)
-        if runtime_env:
-            remote["runtime_env"] = runtime_env
-        return ds.map_batches(
-            VLLMEmbedStage,
-            fn_constructor_kwargs={"model_source": spec.model_source, "engine_kwargs": engine_kwargs},
-            batch_size=feed.rows_in_flight,
-            batch_format="pyarrow",
-            compute=ray.data.ActorPoolStrategy(**pool),
-            **ACTOR_RETRIES,
-            **remote,
-        )
-
-    return apply
+    size = spec.concurrency
+    pool = {"size": size} if isinstance(size, int) else {"min_size": size[0], "max_size": size[1]}
+    if spec.max_tasks_in_flight_per_actor is not None:
+        pool["max_tasks_in_flight_per_actor"] = spec.max_tasks_in_flight_per_actor
+    remote: dict[str, Any] = {"num_cpus": engine_cpus(spec, placement, engine_kwargs)}
+    if profile == "gpu":
+        remote["num_gpus"] = 1
+    if spec.accelerator_type:
+        remote["accelerator_type"] = spec.accelerator_type
+    runtime_env = engine_runtime_env(spec, profile, engine_kwargs)
+    if runtime_env:
+        remote["runtime_env"] = runtime_env
+    return ds.map_batches(
+        VLLMEmbedStage,
+        fn_constructor_kwargs={"model_source": spec.model_source, "engine_kwargs": engine_kwargs},
+        batch_size=feed.rows_in_flight,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(**pool),
+        **ACTOR_RETRIES,
+        **remote,
+    )
 
 
 class VLLMEmbedStage:
@@ -98,25 +99,29 @@ class VLLMEmbedStage:
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
+        from vllm import PoolingParams
 
         n = batch.num_rows
-        errors: list[str] = [str(e or "") for e in batch.column(PRE_ERROR).to_pylist()]
+        errors: list[str] = [""] * n
         requests: list[dict[str, Any]] = [{} for _ in range(n)]
         prompts: list[Any] = [None] * n
         params: list[Any] = [None] * n
-        for i, body in enumerate(batch.column(REQUEST).to_pylist()):
+        rows = zip(batch.column(PRE_ERROR).to_pylist(), batch.column(REQUEST).to_pylist())
+        for i, (pre_error, body) in enumerate(rows):
+            request = unpack_request({PRE_ERROR: pre_error, REQUEST: body or "{}"})
+            errors[i] = str(request.pop(ERROR) or "")
             if errors[i]:
                 continue
+            requests[i] = request
             try:
-                requests[i] = json.loads(body or "{}")
-                prompts[i], given = _prompt(requests[i])
+                prompts[i], given = _prompt(request)
                 if given is not None:
-                    from vllm import PoolingParams
-
                     params[i] = PoolingParams(**given)
             except (ValueError, TypeError) as exc:  # vLLM refuses unknown pooling_params with a TypeError
                 errors[i] = f"request: {type(exc).__name__}: {exc}"
         todo = [i for i in range(n) if not errors[i]]
+        if any(params[i] is not None for i in todo):  # one call takes parameters for every prompt or for none
+            params = [p if p is not None else PoolingParams() for p in params]
         answers: dict[int, Any] = {}
         embedded = self._embed([prompts[i] for i in todo], [params[i] for i in todo])
         if len(embedded) != len(todo):  # never leave a row without its answer or its error
@@ -144,11 +149,7 @@ class VLLMEmbedStage:
         if not prompts:
             return []
         try:
-            given = None
-            if any(p is not None for p in params):
-                from vllm import PoolingParams
-
-                given = [p if p is not None else PoolingParams() for p in params]
+            given = params if params[0] is not None else None
             return list(self.llm.embed(prompts, pooling_params=given, use_tqdm=False))
         except Exception as exc:
             if type(exc).__name__ in FATAL_ERRORS:

@@ -118,7 +118,7 @@ class VLLMEngine(Engine):
         return self.p.batch_size
 
     def actor_name(self) -> str:
-        return "vLLMEngineStageUDF" if self.through_ray is not None else "VLLMEmbedStage"
+        return "vLLMEngineStageUDF" if self.through_ray is not None else embed.VLLMEmbedStage.__name__
 
     def replicas(self) -> int:
         p = self.p
@@ -137,7 +137,7 @@ class VLLMEngine(Engine):
         # its engines count too.
         self.requested_at = getattr(self, "requested_at", None) or time.time()
         if self.through_ray is None:
-            return embed.build(self.p, self.profile, self.engine_kwargs, self.placement, self.feed)(ds)
+            return embed.apply(ds, self.p, self.profile, self.engine_kwargs, self.placement, self.feed)
         return build(
             self.p, self.profile, self.engine_kwargs, self.placement, self.feed, self.replicas(), self.template
         )(ds)
