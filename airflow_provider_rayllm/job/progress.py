@@ -278,19 +278,22 @@ class ProgressLog:
         )
 
     def _watch_engine(self, now: float) -> None:
-        """When the engine's actor is up (its constructor, which starts the engine, has returned): the
-        tokens/s of the progress line count from then, not from the job's start."""
+        """When the engine's first actor is up (its constructor, which starts the engine, has returned; the time
+        is the GCS actor table's, not this poll's): the tokens/s of the progress line count from then, not from
+        the job's start, and the timeline's ``engine_ready_s`` is that moment."""
         if self.ready_at is not None or not self.engine_actor:
             return
-        from ray.util.state import list_actors
+        from airflow_provider_rayllm.job import actor_table
 
         try:
-            alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000, raise_on_missing_output=False)
-        except Exception:  # the state API is a courtesy here
+            ready_at = actor_table.first_ready_at(actor_table.job_actors(self.engine_actor))
+        except Exception:  # the actor table is a courtesy here
             return
-        if any(self.engine_actor in (a.class_name or "") for a in alive):
-            self.ready_at = now
-            self.note(f"engine ready {now - self.started:.0f} s after the plan started")
+        if ready_at is None:
+            return
+        # Clocks of other nodes may differ a little from the driver's: keep the moment within what was seen.
+        self.ready_at = min(max(ready_at, self.started), now)
+        self.note(f"engine ready {self.ready_at - self.started:.1f} s after the plan started")
 
     def _watch_stall(self, totals: dict[str, Any], now: float) -> None:
         """No row answered for ``stall_timeout_s`` since the stream started or its last answer: the stream is

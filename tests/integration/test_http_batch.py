@@ -154,6 +154,10 @@ def test_a_slow_row_holds_back_only_its_own_batch(ray_conn, test_home, service_l
     out = read_rows(manifest["output_files"])
     assert sorted(r["id"] for r in out) == list(range(n))
     assert all(r["response"] == f"echo: {rows[r['id']]['prompt']}" for r in out)
+    # The timeline's moments in the order they happened: the caller was up before its first answer (the moment
+    # is the actor table's, not that of the progress poll that saw it; polls come 10 s apart).
+    t = manifest["timeline"]
+    assert t["plan_started_s"] <= t["engine_ready_s"] <= t["first_answer_s"] <= t["last_answer_s"], t
     slow_arrived, slow_answered = times[rows[0]["prompt"]]
     others = [times[r["prompt"]] for r in rows[1:]]
     meanwhile = sum(1 for _, answered in others if answered < slow_answered)

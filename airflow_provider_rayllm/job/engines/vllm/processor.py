@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from airflow_provider_rayllm.contract.spec import VLLMProcessorSpec
+from airflow_provider_rayllm.job import actor_table
 from airflow_provider_rayllm.job.compat import config_only_transformers
 from airflow_provider_rayllm.job.engines.vllm.chat_template import ChatTemplate
 from airflow_provider_rayllm.job.engines.vllm.settings import CPU_STAGE_NUM_CPUS, Feed, engine_runtime_env
@@ -113,28 +114,11 @@ def build(
 
 
 def engine_actor_seconds(class_marker: str, requested_at: float) -> float | None:
-    """Seconds the job's engine actors held their resources (the sum over replicas), from the GCS actor
-    table; None if unknown. The table's start time is when the constructor returned (the engine loaded),
-    so each actor counts from ``requested_at`` (epoch seconds: when the plan asked for it) instead.
-
-    Ray 2.60's public state API (``list_actors``) carries no start or end time, so this reads the same table
-    through ``ray._private.state.actors``.
-    """
-    import time
-
-    import ray
-    from ray._private import state
-
+    """Seconds the job's engine actors held their resources (the sum over replicas), each from ``requested_at``
+    (epoch seconds: when the plan asked for it), from the GCS actor table; None if unknown."""
     try:
-        job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
-        actors = state.actors(job_id=job_id)
+        actors = actor_table.job_actors(class_marker)
     except Exception as exc:  # the lifetime only feeds the cost estimate, never the job's outcome
         log.warning("engine lifetime unknown (GCS actor table: %s)", exc)
         return None
-    now_ms = time.time() * 1000
-    seconds = 0.0
-    for actor in actors.values():
-        if class_marker in (actor.get("ActorClassName") or "") and actor.get("StartTime"):
-            began = min(actor["StartTime"], requested_at * 1000)
-            seconds += ((actor.get("EndTime") or now_ms) - began) / 1000
-    return round(seconds, 3)
+    return actor_table.held_seconds(actors, requested_at)
