@@ -34,6 +34,7 @@ bench: setup
 	$(PY) benchmarks/engine_bench.py
 	$(PY) benchmarks/http_bench.py
 	$(PY) benchmarks/scale_bench.py
+	$(PY) benchmarks/scale_bench.py --window-mb 16 --sizes 100000,1000000
 	$(PY) benchmarks/load_bench.py
 	$(PY) benchmarks/prefix_bench.py
 	$(PY) benchmarks/report.py

@@ -10,12 +10,16 @@ this process (the Airflow worker running the task); the object store's peak use 
 from Ray's own metrics (the head's Prometheus endpoint); and the seconds from the Ray job's start to the
 first output file on disk (this process watches the output folder).
 
-Writes benchmarks/results/<date>-scale.json; benchmarks/report.py turns it into docs/PERFORMANCE.md.
+The operator runs with its own defaults (batch_size, max_in_flight, no object_store_window_mb) unless an option
+sets one; such a run is a row of its own, written as <date>-scale-<settings>.json (e.g. ``--window-mb 16``:
+<date>-scale-window16.json). The defaults' run writes benchmarks/results/<date>-scale.json, which
+benchmarks/report.py turns into docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -33,9 +37,13 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import LOG_DIR, bench_home  # noqa: E402
 
 OBJECT_STORE_BYTES = 512 * 2**20
-# The jobs' object_store_window_mb: the rows in flight may fill this much of the store. Without it, Ray Data's
-# own share of the 512 MiB store applies, which 10^5 short rows never reach but 10^6 do (see the results' notes).
-WINDOW_MB = 16
+# A run with settings of its own is written beside the defaults' run: <date>-scale-window16.json and so on.
+SHORT = {
+    "batch_size": "batch",
+    "max_in_flight": "inflight",
+    "object_store_window_mb": "window",
+    "prefix_window_rows": "prefix",
+}
 SERIES_POINTS = 200  # the object store's use over a job, kept as this many slices (each slice's highest sample)
 PROGRESS_TICKS = 300  # one progress line a minute (the watch samples every 0.2 s)
 # Ray's metrics every 5 s (25 ticks): the raylet reports them every 10 s, and one scrape of the head's endpoint
@@ -218,19 +226,29 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="100000,1000000,4000000")
     parser.add_argument("--actors", type=int, default=1)
-    parser.add_argument("--in-flight", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=2000)
+    parser.add_argument("--in-flight", type=int, help="max_in_flight (default: the operator's)")
+    parser.add_argument("--batch-size", type=int, help="batch_size (default: the operator's)")
     parser.add_argument(
-        "--window-mb", type=int, default=WINDOW_MB, help="the operators' object_store_window_mb (0: Ray Data's default)"
+        "--window-mb",
+        type=int,
+        help="object_store_window_mb, the rows in flight's share of the store (default: unset, Ray Data's own share)",
     )
     parser.add_argument(
         "--add-to",
         type=Path,
         help="an earlier result of the same settings: its sizes are kept beside this run's (each point says its run)",
     )
+    parser.add_argument("--prefix-window-rows", type=int, help="prefix_window_rows (default: the operator's; 0 = off)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    window = args.window_mb or None  # 0: Ray Data's own share of the store
+    window = args.window_mb or None  # unset or 0: Ray Data's own share of the store
+    chosen = {
+        "batch_size": args.batch_size,
+        "max_in_flight": args.in_flight,
+        "object_store_window_mb": window,
+        "prefix_window_rows": args.prefix_window_rows,
+    }
+    chosen = {k: v for k, v in chosen.items() if v is not None}
     run = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit()}
     earlier = json.loads(args.add_to.read_text()) if args.add_to else None
 
@@ -243,6 +261,10 @@ def main() -> int:
     from airflow_provider_rayllm.operators.http_batch import HttpLLMBatchOperator
     from tests.integration.helpers import StandInTI
     from tests.integration.services import echo_server
+
+    defaults = {k: p.default for k, p in inspect.signature(HttpLLMBatchOperator.__init__).parameters.items()}
+    batch_size = chosen.get("batch_size", defaults["batch_size"])
+    in_flight = chosen.get("max_in_flight", defaults["max_in_flight"])
 
     cluster = LocalRayCluster(state_dir=home / "ray", num_cpus=2, object_store_memory=OBJECT_STORE_BYTES)
     info = cluster.start()
@@ -268,9 +290,7 @@ def main() -> int:
                     prompt_column="prompt",
                     keep_columns=["id"],
                     concurrency=args.actors,
-                    batch_size=args.batch_size,
-                    max_in_flight=args.in_flight,
-                    object_store_window_mb=window,
+                    **chosen,
                     deferrable=False,
                     poll_interval=1.0,
                 )
@@ -309,10 +329,11 @@ def main() -> int:
 
     settings = {
         "actors": args.actors,
-        "in_flight": args.in_flight,
-        "batch_size": args.batch_size,
+        "in_flight": in_flight,
+        "batch_size": batch_size,
         "object_store_mb": OBJECT_STORE_BYTES // 2**20,
         "object_store_window_mb": window,
+        "prefix_window_rows": chosen.get("prefix_window_rows"),
     }
     if earlier is not None:
         if earlier["settings"] != settings:
@@ -324,12 +345,13 @@ def main() -> int:
         marginal.append(
             {"from": a["rows"], "to": b["rows"], "rows_per_s": (b["rows"] - a["rows"]) / (b["seconds"] - a["seconds"])}
         )
-    out = REPO / "benchmarks" / "results" / f"{date.today().isoformat()}-scale.json"
+    tag = "".join(f"-{SHORT[k]}{v}" for k, v in chosen.items())
+    out = REPO / "benchmarks" / "results" / f"{date.today().isoformat()}-scale{tag}.json"
     results = {
         "date": date.today().isoformat(),
         "description": (
-            f"HttpLLMBatchOperator, {args.actors} actor(s) x {args.in_flight} requests in flight, batch_size "
-            f"{args.batch_size}, object_store_window_mb {window or 'unset'}, against a local chat endpoint that answers at once "
+            f"HttpLLMBatchOperator, {args.actors} actor(s) x {in_flight} requests in flight, batch_size "
+            f"{batch_size}, object_store_window_mb {window or 'unset'}, against a local chat endpoint that answers at once "
             f"(client and server share the 2 cores), Ray head object store capped at {OBJECT_STORE_BYTES // 2**20} MiB; rows/s from task start to "
             "manifest, engine-free, so the figures are the pipeline's own cost."
         ),
