@@ -336,7 +336,8 @@ def main() -> int:
         "prefix_window_rows": chosen.get("prefix_window_rows"),
     }
     if earlier is not None:
-        if earlier["settings"] != settings:
+        # A result written before --prefix-window-rows existed ran with the operator's default.
+        if {"prefix_window_rows": None, **earlier["settings"]} != settings:
             raise SystemExit(f"--add-to: {args.add_to} ran with {earlier['settings']}, this run with {settings}")
         mine = {p["rows"] for p in points}
         points = sorted([p for p in earlier["scale"] if p["rows"] not in mine] + points, key=lambda p: p["rows"])

@@ -23,6 +23,7 @@ from collections import Counter
 from typing import Any, Callable, Iterator
 
 from airflow_provider_rayllm.contract.progress import Progress
+from airflow_provider_rayllm.job import actor_table
 from airflow_provider_rayllm.job.budget import Budget
 from airflow_provider_rayllm.job.errors import JobError
 
@@ -283,8 +284,6 @@ class ProgressLog:
         the job's start, and the timeline's ``engine_ready_s`` is that moment."""
         if self.ready_at is not None or not self.engine_actor:
             return
-        from airflow_provider_rayllm.job import actor_table
-
         try:
             ready_at = actor_table.first_ready_at(actor_table.job_actors(self.engine_actor))
         except Exception:  # the actor table is a courtesy here
