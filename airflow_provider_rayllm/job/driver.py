@@ -114,7 +114,7 @@ def plan(
     window = window_rows(spec.prompt.prefix_window_rows, spec.task_type, spec.prompt.image_column is not None)
     if window:
         # Before the repartition, which cuts the window in order: a prefix's rows fill consecutive blocks.
-        ds = ds.map_batches(PrefixGrouping(), batch_size=window, batch_format="pyarrow", **LIGHT)
+        ds = ds.map_batches(PrefixGrouping(), batch_size=window, batch_format="pyarrow", **GROUPING)
     # Blocks of one engine batch: answers leave the engine batch by batch, not when a whole input file is
     # done (a streaming repartition: no block waits for the others).
     ds = ds.repartition(target_num_rows_per_block=engine.block_rows())
@@ -132,6 +132,11 @@ def plan(
 # The write tasks ask for a different share of a CPU than the stages before them, so that Ray Data keeps
 # them apart: fused into the write, the progress tap would wait with it until rows_per_file rows are in.
 WRITE = {"num_cpus": 0.1}
+# Prefix grouping asks for a hair less than the light stages, so that Ray Data keeps it an operator of its own.
+# Fused into the read (read -> requests -> window-sized batches), the read's tasks ran on past Ray Data's
+# memory budget: at 300,000 rows the object store held the whole input's requests (40 MB, against 13 MB
+# apart; docs/PERFORMANCE.md, Scale), growing with the input.
+GROUPING = {"num_cpus": 0.19}
 # Ray Data's streaming repartition (blocks of one engine batch) runs as tasks of a whole CPU.
 REPARTITION_CPUS = 1.0
 # The one actor that sees every id (with id_column) holds its share for the whole job, as the engine does:
