@@ -133,9 +133,9 @@ def plan(
 # them apart: fused into the write, the progress tap would wait with it until rows_per_file rows are in.
 WRITE = {"num_cpus": 0.1}
 # Prefix grouping asks for a hair less than the light stages, so that Ray Data keeps it an operator of its own.
-# Fused into the read (read -> requests -> window-sized batches), the read's tasks ran on past Ray Data's
-# memory budget: at 300,000 rows the object store held the whole input's requests (40 MB, against 13 MB
-# apart; docs/PERFORMANCE.md, Scale), growing with the input.
+# Fused with the steps before it (for Parquet and CSV the read task itself: read -> requests -> window-sized
+# batches), the read's tasks ran on past Ray Data's memory budget: the object store held the whole input's
+# requests (134 MB at 10^6 rows, 40 MB at 300,000; docs/PERFORMANCE.md, Scale), growing with the input.
 GROUPING = {"num_cpus": 0.19}
 # Ray Data's streaming repartition (blocks of one engine batch) runs as tasks of a whole CPU.
 REPARTITION_CPUS = 1.0
