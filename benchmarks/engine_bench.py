@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import bench_home, machine, write_results  # noqa: E402
+from benchmarks.common import bench_home, machine, spread, write_results  # noqa: E402
 
 AB_KINDS = ("ours_stages", "ours_mp")
 _VLLM_STAMP = re.compile(r"(?:INFO|WARNING) (\d\d-\d\d \d\d:\d\d:\d\d) ")
@@ -67,10 +67,6 @@ def engine_ready_at(log: str) -> float | None:
                 stamp = datetime.strptime(f"{date.today().year}-{m.group(1)}", "%Y-%m-%d %H:%M:%S")
                 return stamp.replace(tzinfo=timezone.utc).timestamp()
     return None
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
 
 
 class Bench:

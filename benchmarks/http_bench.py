@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import time
 from datetime import date
@@ -32,7 +31,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import LOG_DIR, bench_home  # noqa: E402
+from benchmarks.common import LOG_DIR, bench_home, spread  # noqa: E402
 
 MODEL_NAME = "smollm2"
 INCLUDES = {
@@ -59,10 +58,6 @@ def chat_body(prompt: str, max_tokens: int) -> dict:
         "temperature": 0.0,
         "max_tokens": max_tokens,
     }
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
 
 
 def bare_client(url: str, bodies: list[dict], in_flight: int) -> float:

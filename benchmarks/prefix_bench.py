@@ -35,7 +35,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import bench_home, cpu_versions, machine, write_results  # noqa: E402
+from benchmarks.common import bench_home, cpu_versions, machine, spread, write_results  # noqa: E402
 from benchmarks.engine_bench import engine_ready_at  # noqa: E402
 
 _HIT_RATE = re.compile(r"Prefix cache hit rate: ([\d.]+)%")
@@ -61,10 +61,6 @@ def rows(prefixes: int, questions: int, words: int) -> list[dict[str, Any]]:
         for q in range(questions)
         for d in range(prefixes)
     ]
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
 
 
 class Bench:

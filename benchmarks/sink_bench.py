@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from datetime import date
@@ -33,7 +32,7 @@ from airflow_provider_rayllm.job.engines.vllm.outputs import VLLMShaper  # noqa:
 from airflow_provider_rayllm.job.shaping import Shaper  # noqa: E402
 from airflow_provider_rayllm.job.sinks.files import encode  # noqa: E402
 from airflow_provider_rayllm.job.stream import ERROR, KEPT_INPUT  # noqa: E402
-from benchmarks.common import machine, write_results  # noqa: E402
+from benchmarks.common import machine, spread, write_results  # noqa: E402
 
 STEPS = ("to_python_rows", "shape", "encode")
 
@@ -118,27 +117,11 @@ def main() -> int:
         block, shaper = make_block(args.rows), make_shaper(spec())
         for fmt in ("jsonl", "parquet"):
             samples = [one_round(block, shaper, fmt) for _ in range(args.rounds)]
-            us_per_row = {
-                step: {
-                    "median": statistics.median(s[step] for s in samples) * 1e6 / args.rows,
-                    "min": min(s[step] for s in samples) * 1e6 / args.rows,
-                    "max": max(s[step] for s in samples) * 1e6 / args.rows,
-                }
-                for step in STEPS
-            }
-            whole = [sum(s.values()) for s in samples]
-            cases[f"{engine}-{fmt}"] = {
-                "us_per_row": us_per_row,
-                "rows_per_s_one_core": {
-                    "median": args.rows / statistics.median(whole),
-                    "min": args.rows / max(whole),
-                    "max": args.rows / min(whole),
-                },
-            }
+            us_per_row = {step: spread([s[step] * 1e6 / args.rows for s in samples]) for step in STEPS}
+            rate = spread([args.rows / sum(s.values()) for s in samples])
+            cases[f"{engine}-{fmt}"] = {"us_per_row": us_per_row, "rows_per_s_one_core": rate}
             figures = {k: round(v["median"], 2) for k, v in us_per_row.items()}
-            print(
-                f"{engine} {fmt}: {figures} us a row; {cases[f'{engine}-{fmt}']['rows_per_s_one_core']['median']:,.0f} rows/s on one core"
-            )
+            print(f"{engine} {fmt}: {figures} us a row; {rate['median']:,.0f} rows/s on one core")
     results = {
         "date": date.today().isoformat(),
         "command": " ".join(["benchmarks/sink_bench.py", *sys.argv[1:]]),

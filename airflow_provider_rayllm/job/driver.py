@@ -136,7 +136,7 @@ WRITE = {"num_cpus": 0.1}
 # Fused with the steps before it (for Parquet and CSV the read task itself: read -> requests -> window-sized
 # batches), the read's tasks ran on past Ray Data's memory budget: the object store held the whole input's
 # requests (134 MB at 10^6 rows, 40 MB at 300,000; docs/PERFORMANCE.md, Scale), growing with the input.
-GROUPING = {"num_cpus": 0.19}
+GROUPING = {"num_cpus": LIGHT["num_cpus"] - 0.01}
 # Ray Data's streaming repartition (blocks of one engine batch) runs as tasks of a whole CPU.
 REPARTITION_CPUS = 1.0
 # The one actor that sees every id (with id_column) holds its share for the whole job, as the engine does:

@@ -18,7 +18,7 @@ DOCS, QUESTIONS = 4, 8
 
 def _arrival_spans(test_home, service_logs, name: str, **settings) -> tuple[list[int], str]:
     """Each document's span in the endpoint's arrival order (last position - first + 1) for one job over the
-    question-major input (document 0, 1, 2, 3, 0, 1, ...), and the job's log."""
+    question-major input (document 0, 1, 2, 3, 0, 1, ...), and the job's submission id."""
     rows = [
         {"id": q * DOCS + d, "doc": d, "prompt": f"Document {d}: a long shared text.\n\nQuestion {q} about it?"}
         for q in range(QUESTIONS)
@@ -39,11 +39,11 @@ def _arrival_spans(test_home, service_logs, name: str, **settings) -> tuple[list
     assert sorted(order) == sorted(r["prompt"] for r in rows)
     docs = [int(text.split(":", 1)[0].removeprefix("Document ")) for text in order]
     spans = [max(i for i, d in enumerate(docs) if d == doc) - docs.index(doc) + 1 for doc in range(DOCS)]
-    return spans, RayJobHook().get_job_logs(manifest["submission_id"])
+    return spans, manifest["submission_id"]
 
 
 def test_requests_sharing_a_prefix_arrive_together_and_interleaved_when_off(ray_conn, test_home, service_logs):
-    grouped, log = _arrival_spans(test_home, service_logs, "prefix_on")  # the default window
+    grouped, grouped_job = _arrival_spans(test_home, service_logs, "prefix_on")  # the default window
     interleaved, _ = _arrival_spans(test_home, service_logs, "prefix_off", prefix_window_rows=0)
     record_figure("prefix_order", docs=DOCS, questions=QUESTIONS, spans_on=grouped, spans_off=interleaved)
     # Together: a document's 8 requests within 16 arrivals (two batches are in flight at once, so the two
@@ -52,5 +52,6 @@ def test_requests_sharing_a_prefix_arrive_together_and_interleaved_when_off(ray_
     assert min(interleaved) > 3 * QUESTIONS, f"requests arrived grouped with grouping off: spans {interleaved}"
     # The grouping is an operator of its own in Ray Data's plan, not fused into the read: fused, the read ran
     # on past Ray Data's memory budget, holding the whole input's requests (docs/PERFORMANCE.md, Scale).
+    log = RayJobHook().get_job_logs(grouped_job)
     plan = next(line for line in log.splitlines() if "Execution plan of Dataset" in line)
     assert "TaskPoolMapOperator[MapBatches(PrefixGrouping)]" in plan, f"prefix grouping fused with another step: {plan}"
