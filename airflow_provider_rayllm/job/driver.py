@@ -326,8 +326,13 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
 
     # 3. The stream, once (with a canary: the canary's rows first, judged, then the others).
     rows_spec = with_image_folders(spec, source.folders)
+    limits = spec.limits
     with ProgressLog(
-        print_line, log_info, engine.actor_name(), stall_timeout_s=spec.limits.stall_timeout_s
+        print_line,
+        log_info,
+        engine.actor_name(),
+        stall_timeout_s=limits.stall_timeout_s,
+        totals_per_answer=Budget(limits.max_tokens_budget, limits.max_cost, engine.prices()).active,
     ) as progress:
 
         def stream(ds: Any, folder: str) -> list[dict[str, Any]]:

@@ -1,13 +1,17 @@
 """Row bookkeeping while the stream runs, and the progress line in the job log.
 
-The stages report into one small actor, ``StreamCounts``: the request step counts the rows it reads (and the
-rows it skips because an earlier attempt answered them), the sink counts the rows it wrote, the error
-rows and the tokens. Each report carries a key that is the same when Ray retries the same task, so a
-retry is not counted twice. A thread in the driver reads the actor every few seconds and prints
-``RAYLLM_PROGRESS {json}`` when it changed; the operator turns those lines into readable progress lines
-in the task log (the trigger does the same while the task is deferred).
+The stages report their counts: the request step the rows it reads (and the rows it skips because an earlier
+attempt answered them), the step after the engine the rows answered, the error rows and the tokens, the sink
+the files it wrote. Each report carries a key that is the same when Ray retries the same task, so a retry is
+not counted twice. The reports go to Ray's GCS key-value store, each under a key of its own below the job's
+prefix (``KVCounts``): no process of the job's own holds them (an actor for them was one more worker process
+per job, about a CPU-second to start). A job with a budget reports to a ``StreamCounts`` actor instead
+(``ActorCounts``), whose answer to each answered batch is the job's totals at once, so that the budget stops
+the run within one batch. A thread in the driver tallies the reports every few seconds (``StreamCounts`` again,
+in the driver) and prints ``RAYLLM_PROGRESS {json}`` when they changed; the operator turns those lines into
+readable progress lines in the task log (the trigger does the same while the task is deferred).
 
-The actor's counts are for progress and for the job's own cross-check of its counts. The manifest's counts come
+The counts are for progress and for the job's own cross-check of its counts. The manifest's counts come
 from what the sink reports for the files it wrote (Ray Data hands every write task's result to the
 driver once, when the write completes).
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import os
+import pickle
 import signal
 import threading
 import time
@@ -34,8 +40,13 @@ SERIES_POINTS = 60
 HEARTBEAT_S = 60.0
 
 
+# Where the stages' reports are kept in Ray's GCS key-value store: "<Ray job id>/<kind>/<key>".
+COUNTS_NAMESPACE = "rayllm_counts"
+
+
 class StreamCounts:
-    """Counts reported by the stages (a Ray actor with no CPU of its own); a repeated key is counted once."""
+    """The tally of the stages' reports; a repeated key is counted once. In the driver (``KVCounts``' reports
+    read back), or as a Ray actor with no CPU of its own for a job with a budget (``ActorCounts``)."""
 
     def __init__(self) -> None:
         self.reads: dict[str, tuple[int, int]] = {}
@@ -51,8 +62,6 @@ class StreamCounts:
         self.first_answer_at: float | None = None
         self.last_answer_at: float | None = None
         self.first_write_at: float | None = None
-        # Rows answered when the first file's report came: fewer than all shows the writing overlapped the engine.
-        self.answered_at_first_write: int | None = None
 
     def read(self, key: str, rows: int, skipped: int) -> None:
         self.reads[key] = (rows, skipped)
@@ -85,8 +94,6 @@ class StreamCounts:
         return sum(self.tokens_in.values()), sum(a[2] for a in self.answers.values())
 
     def wrote(self, key: str, files: int, at: float) -> None:
-        if self.answered_at_first_write is None:
-            self.answered_at_first_write = sum(a[0] for a in self.answers.values())
         if self.first_write_at is None or at < self.first_write_at:
             self.first_write_at = at
         self.writes[key] = files
@@ -94,6 +101,13 @@ class StreamCounts:
     def answered_series(self) -> list[tuple[float, int, int]]:
         """(time, rows, tokens out) of each answered batch, once per key."""
         return [(self.answer_times[k], rows, tokens) for k, (rows, _, tokens) in self.answers.items()]
+
+    def answered_by(self, at: float | None) -> int | None:
+        """Rows answered at or before ``at``: at the first file's write, fewer than all shows that the writing
+        overlapped the engine."""
+        if at is None:
+            return None
+        return sum(rows for key, (rows, _, _) in self.answers.items() if self.answer_times[key] <= at)
 
     def totals(self) -> dict[str, Any]:
         return {
@@ -109,8 +123,115 @@ class StreamCounts:
             "first_answer_at": self.first_answer_at,
             "last_answer_at": self.last_answer_at,
             "first_write_at": self.first_write_at,
-            "answered_at_first_write": self.answered_at_first_write,
+            "answered_at_first_write": self.answered_by(self.first_write_at),
         }
+
+    def apply(self, kind: str, key: str, value: tuple[Any, ...]) -> None:
+        """One report read back from the key-value store (see ``KVCounts``)."""
+        if kind in ("saved", "unmatched"):
+            getattr(self, kind)(*value)
+        elif kind in ("read", "reuse", "answered", "wrote"):
+            getattr(self, kind)(key, *value)
+
+
+class KVCounts:
+    """The stages' side of the counts: each report a key of its own in Ray's GCS key-value store, under the
+    job's prefix; the same key again when Ray retries the task, so it is counted once. Picklable, handed to
+    every stage; the driver reads the reports back with ``read_back``."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def _put(self, kind: str, key: str, value: tuple[Any, ...]) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(f"{self.prefix}{kind}/{key}", pickle.dumps(value), namespace=COUNTS_NAMESPACE)
+
+    def read(self, key: str, rows: int, skipped: int) -> None:
+        self._put("read", key, (rows, skipped))
+
+    def saved(self, rows: int) -> None:
+        self._put("saved", "", (rows,))
+
+    def unmatched(self, rows: int) -> None:
+        self._put("unmatched", "", (rows,))
+
+    def reuse(self, key: str, pairs: list[Any]) -> None:
+        if pairs:
+            self._put("reuse", key, (pairs,))
+
+    def answered(
+        self, key: str, rows: int, errored: int, tokens_out: int, at: float, tokens_in: int = 0
+    ) -> tuple[int, int] | None:
+        """Count one answered batch; no totals come back (a job with a budget uses ``ActorCounts``)."""
+        self._put("answered", key, (rows, errored, tokens_out, at, tokens_in))
+        return None
+
+    def wrote(self, key: str, files: int, at: float) -> None:
+        self._put("wrote", key, (files, at))
+
+    def read_back(self, tally: StreamCounts, seen: set[bytes]) -> StreamCounts:
+        """Adds to ``tally`` the reports not in ``seen`` (each key once: a report's key is fixed by its batch),
+        and the latest of the ones kept whole (``saved``, ``unmatched``)."""
+        from ray.experimental.internal_kv import internal_kv_get_gcs_client
+
+        client = internal_kv_get_gcs_client()
+        namespace = COUNTS_NAMESPACE.encode()
+        keys = client.internal_kv_keys(self.prefix.encode(), namespace=namespace)
+        new = [k for k in keys if k not in seen or k.endswith(b"/")]
+        if new:
+            for raw, value in client.internal_kv_multi_get(new, namespace=namespace).items():
+                kind, _, key = raw.decode()[len(self.prefix) :].partition("/")
+                tally.apply(kind, key, pickle.loads(value))
+                seen.add(raw)
+        return tally
+
+    def remove(self) -> None:
+        from ray.experimental.internal_kv import _internal_kv_del
+
+        _internal_kv_del(self.prefix, del_by_prefix=True, namespace=COUNTS_NAMESPACE)
+
+
+class ActorCounts:
+    """The stages' side of the counts for a job with a budget: each report a call to a ``StreamCounts`` actor,
+    whose answer to an answered batch is the job's tokens so far, for the budget's check at once."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def read(self, key: str, rows: int, skipped: int) -> None:
+        import ray
+
+        ray.get(self.actor.read.remote(key, rows, skipped))
+
+    def saved(self, rows: int) -> None:
+        import ray
+
+        ray.get(self.actor.saved.remote(rows))
+
+    def unmatched(self, rows: int) -> None:
+        import ray
+
+        ray.get(self.actor.unmatched.remote(rows))
+
+    def reuse(self, key: str, pairs: list[Any]) -> None:
+        import ray
+
+        if pairs:
+            ray.get(self.actor.reuse.remote(key, pairs))
+
+    def answered(
+        self, key: str, rows: int, errored: int, tokens_out: int, at: float, tokens_in: int = 0
+    ) -> tuple[int, int] | None:
+        import ray
+
+        spent_in, spent_out = ray.get(self.actor.answered.remote(key, rows, errored, tokens_out, at, tokens_in))
+        return int(spent_in), int(spent_out)
+
+    def wrote(self, key: str, files: int, at: float) -> None:
+        import ray
+
+        ray.get(self.actor.wrote.remote(key, files, at))
 
 
 def rows_over_time(
@@ -134,8 +255,8 @@ def rows_over_time(
 
 
 def call_key(calls: dict[str, int]) -> str:
-    """Task id and the batch's place in the task: the same key for the same batch of a retried task, so
-    ``StreamCounts`` counts it once."""
+    """Task id and the batch's place in the task: the same key for the same batch of a retried task, so the
+    counts count it once."""
     import ray
 
     task = ray.get_runtime_context().get_task_id() or "driver"
@@ -144,8 +265,8 @@ def call_key(calls: dict[str, int]) -> str:
 
 
 class AnswerCounter:
-    """A stage right after the engine: counts each answered batch (rows, error rows, tokens in and out) into
-    ``StreamCounts``, stops the run when the job's totals pass a budget (``budget.Budget``), and passes the
+    """A stage right after the engine: reports each answered batch (rows, error rows, tokens in and out) to the
+    job's counts, stops the run when the job's totals pass a budget (``budget.Budget``), and passes the
     batch on unchanged."""
 
     def __init__(
@@ -162,7 +283,6 @@ class AnswerCounter:
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow.compute as pc
-        import ray
 
         errored = 0
         if self.error_column in batch.column_names:
@@ -171,11 +291,11 @@ class AnswerCounter:
         tokens = self.tokens_out(batch)
         tokens_in = self.tokens_in(batch) if self.tokens_in is not None else 0
         now = time.time()
-        spent_in, spent_out = ray.get(
-            self.counts.answered.remote(call_key(self.calls), batch.num_rows, errored, tokens, now, tokens_in)
-        )
+        spent = self.counts.answered(call_key(self.calls), batch.num_rows, errored, tokens, now, tokens_in)
         if self.budget is not None:
-            self.budget.check(spent_in, spent_out, now)
+            if spent is None:
+                raise RuntimeError("a budget needs the job's totals with each answer (ActorCounts)")
+            self.budget.check(spent[0], spent[1], now)
         return batch
 
 
@@ -202,7 +322,8 @@ class StreamStalled(JobError):
 
 
 class ProgressLog:
-    """Driver side: the ``StreamCounts`` actor, and a thread that prints a progress line when the counts change."""
+    """Driver side: the job's counts (``KVCounts``, or ``ActorCounts`` with ``totals_per_answer``), and a thread
+    that prints a progress line when they change."""
 
     def __init__(
         self,
@@ -211,8 +332,11 @@ class ProgressLog:
         engine_actor: str | None = None,
         interval_s: float = INTERVAL_S,
         stall_timeout_s: float | None = None,
+        totals_per_answer: bool = False,
     ):
         self.print_line, self.note = print_line, note
+        # A budget needs the job's totals back with each answered batch: the counts go to an actor then.
+        self.totals_per_answer = totals_per_answer
         # A stall is seen within a quarter of its limit, however long the progress interval.
         self.interval_s = min(interval_s, stall_timeout_s / 4) if stall_timeout_s else interval_s
         self.engine_actor = engine_actor
@@ -229,22 +353,35 @@ class ProgressLog:
     def __enter__(self) -> ProgressLog:
         import ray
 
-        self.counts = ray.remote(num_cpus=0)(StreamCounts).remote()
+        self._actor: Any = None
+        if self.totals_per_answer:
+            self._actor = ray.remote(num_cpus=0)(StreamCounts).remote()
+            self.counts: KVCounts | ActorCounts = ActorCounts(self._actor)
+        else:
+            self.counts = KVCounts(f"{ray.get_runtime_context().get_job_id()}/{os.getpid()}-{time.time_ns()}/")
+            self._tally, self._seen = StreamCounts(), set()
+            self._reading = threading.Lock()
         self.started = time.time()
         self._thread = threading.Thread(target=self._loop, name="rayllm-progress", daemon=True)
         self._thread.start()
         return self
 
-    def totals(self) -> dict[str, Any]:
+    def _ask(self, question: str, timeout: float = 60) -> Any:
+        """One of ``StreamCounts``' answers (``totals``, ``reused_pairs``, ``answered_series``) over the reports so far."""
         import ray
 
-        return ray.get(self.counts.totals.remote(), timeout=60)
+        if self._actor is not None:
+            return ray.get(getattr(self._actor, question).remote(), timeout=timeout)
+        assert isinstance(self.counts, KVCounts)
+        with self._reading:
+            return getattr(self.counts.read_back(self._tally, self._seen), question)()
+
+    def totals(self) -> dict[str, Any]:
+        return dict(self._ask("totals"))
 
     def reused_pairs(self) -> Counter[Any]:
         """The (id, request key) pairs the request step skipped as saved, each with the rows it skipped."""
-        import ray
-
-        return Counter(tuple(pair) for pair in ray.get(self.counts.reused_pairs.remote(), timeout=600))
+        return Counter(tuple(pair) for pair in self._ask("reused_pairs", timeout=600))
 
     def _report(self, final: bool = False) -> None:
         totals = self.totals()
@@ -342,9 +479,7 @@ class ProgressLog:
 
     def series(self, origin: float) -> list[dict[str, float]]:
         """The report's rows-over-time samples, in seconds from ``origin`` (the driver's start)."""
-        import ray
-
-        return rows_over_time(ray.get(self.counts.answered_series.remote(), timeout=60), origin)
+        return rows_over_time(self._ask("answered_series"), origin)
 
     def timeline(self, totals: dict[str, Any], origin: float) -> dict[str, float | None]:
         """Seconds from ``origin`` to each step the stream reported (None where it has none)."""
@@ -365,4 +500,7 @@ class ProgressLog:
 
         self._stop.set()
         self._thread.join(timeout=5)
-        ray.kill(self.counts)
+        if self._actor is not None:
+            ray.kill(self._actor)
+        elif isinstance(self.counts, KVCounts):
+            self.counts.remove()

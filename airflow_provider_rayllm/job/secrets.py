@@ -216,9 +216,11 @@ def end_pending(submission_id: str) -> bool:
 def sweep_leftovers(timeout_s: float = 15.0) -> list[str]:
     """What ended jobs of this package left on the cluster when their driver was killed before its cleanup: the
     secrets files on every node, and their packages in the cluster's store (each ended job of ours names its
-    package in its runtime_env). Returns what was removed."""
+    package in its runtime_env) and their stream's counts. Returns the secrets files and packages removed."""
     import ray
-    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_exists
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_exists, _internal_kv_list
+
+    from airflow_provider_rayllm.job.progress import COUNTS_NAMESPACE
 
     if not ray.is_initialized():
         ray.init(log_to_driver=False)
@@ -233,4 +235,9 @@ def sweep_leftovers(timeout_s: float = 15.0) -> list[str]:
         if ours and not _active(job) and package.startswith("gcs://") and _internal_kv_exists(package):
             _internal_kv_del(package)
             removed.append(package)
+    # Their streams' counts (``progress.KVCounts``; no secret in them), which a driver that ends removes itself.
+    counted = {key.split(b"/", 1)[0].decode() for key in _internal_kv_list("", namespace=COUNTS_NAMESPACE)}
+    for job in jobs:
+        if job.job_id in counted and not _active(job) and (job.metadata or {}).get("rayllm_submission_id"):
+            _internal_kv_del(f"{job.job_id}/", del_by_prefix=True, namespace=COUNTS_NAMESPACE)
     return removed

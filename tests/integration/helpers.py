@@ -249,7 +249,8 @@ canaries = json.loads(sys.argv[2])
 found, keys = [], _internal_kv_list("gcs://")
 for key in keys:
     found += [f"{key.decode()}: {name}" for name in canaries_in(_internal_kv_get(key) or b"", canaries)]
-print(json.dumps({"packages": len(keys), "found": found}))
+counted = sorted({k.decode().split("/", 1)[0] for k in _internal_kv_list("", namespace="rayllm_counts")})
+print(json.dumps({"packages": len(keys), "found": found, "counted_jobs": counted}))
 """
 
 
@@ -263,7 +264,8 @@ def driver_env(info: Any) -> dict[str, str]:
 
 
 def store_holding(info: Any, canaries: dict[str, str]) -> dict[str, Any]:
-    """The packages in the cluster's store (Ray's internal KV) that hold a canary: ``{"packages", "found"}``."""
+    """The packages in the cluster's store (Ray's internal KV) that hold a canary: ``{"packages", "found"}``, and
+    the Ray job ids that have stream counts there (``counted_jobs``)."""
     import subprocess
     import sys
 

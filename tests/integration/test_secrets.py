@@ -156,8 +156,8 @@ def test_a_stopped_driver_deletes_its_package_from_the_store_at_once(ray_conn, t
 
 def test_secrets_a_killed_driver_left_are_removed_by_the_next_job(ray_conn, endpoint, test_home):
     """SIGKILL (as the OOM killer or os._exit would) skips every cleanup of the driver: its node keeps the
-    job's secrets file and the store keeps its package. The next job of this package removes both, from
-    every node, because their job has ended."""
+    job's secrets file and the store keeps its package and its stream's counts. The next job of this package
+    removes them all, from every node, because their job has ended."""
     import signal
 
     from airflow_provider_rayllm.hooks.ray_job import RayJobHook
@@ -175,7 +175,10 @@ def test_secrets_a_killed_driver_left_are_removed_by_the_next_job(ray_conn, endp
     assert "ended FAILED" in str(outcome.get("error")), outcome
     left = files_holding(info, CANARIES)
     assert left, "the killed driver left its secrets on the node (the case this test is about)"
-    assert store_holding(info, CANARIES)["found"], "and its package in the store"
+    store = store_holding(info, CANARIES)
+    assert store["found"], "and its package in the store"
+    killed_job = hook.get_job_info(sid)["job_id"]
+    assert killed_job in store["counted_jobs"], "and its stream's counts"
 
     next_ti = StandInTI("secrets", "manual__after_kill", "next")
     rows = [{"id": i, "prompt": f"next row {i}"} for i in range(4)]
@@ -185,7 +188,9 @@ def test_secrets_a_killed_driver_left_are_removed_by_the_next_job(ray_conn, endp
     assert manifest["rows_out"] == len(rows)
     said = [line for line in hook.get_job_logs(next_ti.xcom["submission_id"]).splitlines() if "secrets" in line]
     after = files_holding(info, CANARIES)
-    in_store = store_holding(info, CANARIES)["found"]
+    store = store_holding(info, CANARIES)
+    in_store = store["found"]
+    assert store["counted_jobs"] == [], "the killed job's counts were removed, and the next job removed its own"
     record_figure(
         "secrets: driver SIGKILLed, then the next job",
         left_by_the_kill=len(left),

@@ -175,3 +175,65 @@ def test_a_slow_stream_that_keeps_answering_is_not_a_stall(local_ray):
             )
         final = watch.finish()
     assert out.count() == rows and final["rows_answered"] == rows and watch.stalled is None
+
+
+class _Resent:
+    """A stage that reports each batch twice under one key, as a retried task would."""
+
+    def __init__(self, counts):
+        self.counts, self.calls = counts, {}
+
+    def __call__(self, batch):
+        key = progress.call_key(self.calls)
+        for _ in range(2):
+            self.counts.read(key, batch.num_rows, 1)
+        return batch
+
+
+def test_the_stages_reports_are_read_back_once_each_and_removed_when_the_stream_ends(local_ray):
+    """Without a budget the stages report into Ray's key-value store under the job's prefix (no actor): each
+    report's key counted once however often it came, and nothing of the job's left there after it."""
+    import ray
+    from ray.experimental.internal_kv import _internal_kv_list
+
+    table = pa.table({"id": list(range(40)), "__inference_error__": [""] * 40, "num_generated_tokens": [2] * 40})
+    with progress.ProgressLog(lambda line: None, lambda note: None) as watch:
+        assert isinstance(watch.counts, progress.KVCounts)
+        tap = progress.AnswerCounter(watch.counts, "__inference_error__", progress.column_sum("num_generated_tokens"))
+        ray.data.from_arrow(table).repartition(target_num_rows_per_block=8).map_batches(
+            _Resent, fn_constructor_args=(watch.counts,), batch_format="pyarrow", batch_size=None, num_cpus=0.2
+        ).map_batches(tap, batch_format="pyarrow", batch_size=None, num_cpus=0.2).materialize()
+        watch.counts.wrote("write-0", 2, time.time())
+        final = watch.finish()
+        assert _internal_kv_list(watch.counts.prefix, namespace=progress.COUNTS_NAMESPACE)
+    assert (final["rows_read"], final["rows_skipped"], final["rows_answered"], final["tokens_out"]) == (40, 5, 40, 80)
+    assert final["files_written"] == 2 and final["answered_at_first_write"] == 40
+    assert _internal_kv_list(watch.counts.prefix, namespace=progress.COUNTS_NAMESPACE) == []
+
+
+def test_a_budget_gets_the_jobs_totals_with_each_answer_and_stops_the_stream(local_ray):
+    """With a budget the counts go to an actor whose answer is the job's totals: the run stops within a
+    batch of passing it."""
+    import ray
+
+    from airflow_provider_rayllm.job.budget import Budget, BudgetExceeded, Prices
+
+    table = pa.table({"id": list(range(64)), "__inference_error__": [""] * 64, "num_generated_tokens": [1] * 64})
+    budget = Budget(max_tokens=20, max_cost=None, prices=Prices())
+    with progress.ProgressLog(lambda line: None, lambda note: None, totals_per_answer=True) as watch:
+        assert isinstance(watch.counts, progress.ActorCounts)
+        tap = progress.AnswerCounter(
+            watch.counts, "__inference_error__", progress.column_sum("num_generated_tokens"), budget=budget
+        )
+        with pytest.raises(Exception) as stopped:
+            ray.data.from_arrow(table).repartition(target_num_rows_per_block=8).map_batches(
+                tap, batch_format="pyarrow", batch_size=None, num_cpus=0.2, concurrency=1
+            ).materialize()
+        answered = watch.finish()["rows_answered"]
+    assert "passed max_tokens_budget=20" in str(stopped.value), stopped.value
+    assert isinstance(stopped.value, BudgetExceeded) or "BudgetExceeded" in str(stopped.value)
+    assert answered == 24, "the third batch of 8 passed 20 tokens and stopped the run"
+    with pytest.raises(RuntimeError, match="budget needs the job's totals"):
+        progress.AnswerCounter(progress.KVCounts("unused/"), "e", progress.column_sum("n"), budget=budget)(
+            pa.table({"e": [""], "n": [1]})
+        )

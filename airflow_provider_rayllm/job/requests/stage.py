@@ -13,13 +13,13 @@ from airflow_provider_rayllm.job.stream import KEPT_INPUT, PRE_ERROR, REQUEST
 
 
 class RequestStage:
-    """Ray Data stage: a batch of input rows -> their requests, counted into the job's ``StreamCounts`` as read.
+    """Ray Data stage: a batch of input rows -> their requests, reported to the job's counts as read.
 
     With ``id_column`` (or incremental, see ``ids.IdGate``) it also refuses a duplicate or missing id (the uniqueness check, done as the rows
     stream by) and drops the rows an earlier attempt of this run already answered for the same request
     (resume: the request is built first, as its key decides). Holding the ids needs one place that sees
     every row, so with ``id_column`` the stage runs as a single actor; the ids live there, never in the
-    driver, and the stage reports the skipped rows' (id, key) pairs to ``StreamCounts`` for the adoption.
+    driver, and the stage reports the skipped rows' (id, key) pairs to the job's counts for the adoption.
     """
 
     def __init__(
@@ -38,15 +38,11 @@ class RequestStage:
         self.counts = counts
         self.ids = IdGate(prompt.id_column, saved_files or []) if gated or prompt.id_column else None
         if self.ids is not None:
-            import ray
-
-            ray.get(counts.saved.remote(self.ids.saved_rows))
-            ray.get(counts.unmatched.remote(self.ids.unmatched))
+            counts.saved(self.ids.saved_rows)
+            counts.unmatched(self.ids.unmatched)
         self.calls: dict[str, int] = {}
 
     def __call__(self, batch: Any) -> dict[str, list[Any]]:
-        import ray
-
         from airflow_provider_rayllm.job.progress import call_key
 
         rows = batch.to_pylist()
@@ -57,9 +53,9 @@ class RequestStage:
             asked, reused = self.ids.admit(rows, [b[KEPT_INPUT][REQUEST_KEY_COLUMN] for b in built])
             built, skipped = [built[i] for i in asked], len(reused)
             if reused:
-                ray.get(self.counts.reuse.remote(key, reused))
-            ray.get(self.counts.unmatched.remote(self.ids.unmatched))
-        ray.get(self.counts.read.remote(key, len(rows), skipped))
+                self.counts.reuse(key, reused)
+            self.counts.unmatched(self.ids.unmatched)
+        self.counts.read(key, len(rows), skipped)
         return {
             KEPT_INPUT: [b[KEPT_INPUT] for b in built],
             REQUEST: [b[REQUEST] for b in built],

@@ -97,9 +97,7 @@ class ResultSink(Datasink):
         }
         import time
 
-        import ray
-
-        ray.get(self.counts.wrote.remote(f"write-{ctx.task_idx}", int(bool(outputs)) + int(bool(errors)), time.time()))
+        self.counts.wrote(f"write-{ctx.task_idx}", int(bool(outputs)) + int(bool(errors)), time.time())
         return result
 
     def on_write_complete(self, write_result: Any) -> None:
