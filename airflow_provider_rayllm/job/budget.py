@@ -1,7 +1,7 @@
 """The run's spending as answers arrive, and the budgets that stop it (``max_tokens_budget``, ``max_cost``).
 
-The stage right after the engine (``progress.AnswerCounter``) adds each answered batch's tokens to the
-job's counts and asks ``Budget.check`` about the totals: a run that passed a budget stops there, with a
+``progress.AnswerCounter`` (a stage right after the engine, or the HTTP callers themselves as they answer)
+adds each answered batch's tokens to the job's counts and asks ``Budget.check`` about the totals: a run that passed a budget stops there, with a
 ``JobRefused`` (a retry would spend again), and since nothing is published before the stream ends, the
 prefix keeps what it had. What is spent before the stop is what was in flight: one batch per caller or
 engine replica at most.

@@ -42,7 +42,7 @@ from airflow_provider_rayllm.job.requests.prefix import PrefixGrouping, window_r
 from airflow_provider_rayllm.job.requests.stage import RequestStage
 from airflow_provider_rayllm.job.sinks.files import ResultSink, totals
 from airflow_provider_rayllm.job.sources import open_input
-from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, LIGHT, light_tasks
+from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, LIGHT
 
 log = logging.getLogger("airflow_provider_rayllm.job")
 
@@ -118,15 +118,10 @@ def plan(
     # Blocks of one engine batch: answers leave the engine batch by batch, not when a whole input file is
     # done (a streaming repartition: no block waits for the others).
     ds = ds.repartition(target_num_rows_per_block=engine.block_rows())
-    answered = engine.apply(ds)
     limits = spec.limits
     budget = Budget(limits.max_tokens_budget, limits.max_cost, engine.prices())
     tap = AnswerCounter(counts, ERROR, engine.tokens_out(), engine.tokens_in(), budget if budget.active else None)
-    # As many taps at once as there are engine replicas (five worker processes for a 200-row job otherwise);
-    # the engine's own light last step (Ray's postprocess) has the same arguments, and the two fuse.
-    return answered.map_batches(
-        tap, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **light_tasks(engine.replicas())
-    )
+    return engine.answer(ds, tap)
 
 
 # The write tasks ask for a different share of a CPU than the stages before them, so that Ray Data keeps

@@ -290,13 +290,18 @@ class AnswerCounter:
             errored = int(pc.sum(pc.not_equal(column, "")).as_py() or 0)
         tokens = self.tokens_out(batch)
         tokens_in = self.tokens_in(batch) if self.tokens_in is not None else 0
+        self.count(batch.num_rows, errored, tokens, tokens_in)
+        return batch
+
+    def count(self, rows: int, errored: int, tokens_out: int, tokens_in: int = 0) -> None:
+        """Report one answered batch and hold the run to its budget: what ``__call__`` does with a batch's
+        columns, for an engine stage that counts its own answers as it gives them (``HttpCaller``)."""
         now = time.time()
-        spent = self.counts.answered(call_key(self.calls), batch.num_rows, errored, tokens, now, tokens_in)
+        spent = self.counts.answered(call_key(self.calls), rows, errored, tokens_out, now, tokens_in)
         if self.budget is not None:
             if spent is None:
                 raise RuntimeError("a budget needs the job's totals with each answer (ActorCounts)")
             self.budget.check(spent[0], spent[1], now)
-        return batch
 
 
 def column_sum(column: str) -> Callable[[Any], int]:

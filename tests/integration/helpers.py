@@ -297,7 +297,7 @@ def run_in_thread(op: Any, ti: Any) -> tuple[Any, dict[str, Any]]:
     return thread, outcome
 
 
-def _tasks_named(info: Any, submission_id: str, name: str) -> list[dict[str, Any]]:
+def tasks_named(info: Any, submission_id: str, name: str) -> list[dict[str, Any]]:
     """The job's task records (one per attempt) whose name holds ``name``, from the cluster's state API."""
     import urllib.request
 
@@ -318,7 +318,7 @@ def most_at_once(info: Any, submission_id: str, name: str, timeout: float = 30.0
     start and end times, once every record has come in (workers report their tasks every second or so)."""
     deadline = time.time() + timeout
     while True:
-        tasks = _tasks_named(info, submission_id, name)
+        tasks = tasks_named(info, submission_id, name)
         if tasks and all(t.get("state") in ("FINISHED", "FAILED") for t in tasks):
             tasks = [t for t in tasks if t.get("start_time_ms") and t.get("end_time_ms")]
             break

@@ -7,7 +7,9 @@ from typing import Any, Callable
 
 from airflow_provider_rayllm.contract.spec import JobSpec
 from airflow_provider_rayllm.job.budget import Prices
+from airflow_provider_rayllm.job.progress import AnswerCounter
 from airflow_provider_rayllm.job.shaping import Shaper
+from airflow_provider_rayllm.job.stream import light_tasks
 
 
 class Engine:
@@ -28,6 +30,14 @@ class Engine:
     def apply(self, ds: Any) -> Any:
         """Requests (``KEPT_INPUT``, ``REQUEST``, ``PRE_ERROR``) -> answered rows (``KEPT_INPUT``, ``ERROR``, answers)."""
         raise NotImplementedError
+
+    def answer(self, ds: Any, tap: AnswerCounter) -> Any:
+        """``apply``, each answered batch counted (and held to the budgets) by ``tap`` as it leaves the engine:
+        a light task stage after it, as many at once as the engine has replicas (answers come from no more
+        places than that; the engine's own light last step, such as Ray's postprocess, fuses with it)."""
+        return self.apply(ds).map_batches(
+            tap, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **light_tasks(self.replicas())
+        )
 
     def shaper(self) -> Shaper:
         raise NotImplementedError

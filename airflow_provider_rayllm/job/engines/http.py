@@ -18,7 +18,7 @@ from airflow_provider_rayllm.job.engines.http_client import EndpointClient
 from airflow_provider_rayllm.job.engines.loop_thread import LoopDeadline, LoopThread
 from airflow_provider_rayllm.job.errors import JobError
 from airflow_provider_rayllm.job.failpoints import failpoint
-from airflow_provider_rayllm.job.progress import column_sum
+from airflow_provider_rayllm.job.progress import AnswerCounter, column_sum
 from airflow_provider_rayllm.job.shaping import Shaper
 from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, KEPT_INPUT, LIGHT, PRE_ERROR, REQUEST, count
 
@@ -74,8 +74,11 @@ class HttpCaller:
     took; a row that could not be prompted is passed on with its reason, unsent.
     """
 
-    def __init__(self, http_json: str):
+    def __init__(self, http_json: str, tap: AnswerCounter | None = None):
         failpoint("caller_start", "an HTTP caller actor")
+        # Each answered batch counted here as it is given (no stage after the callers for it: one task process
+        # fewer per job, and one hop fewer for every block).
+        self.tap = tap
         self.http = HttpProcessorSpec.model_validate_json(http_json)
         self.client = EndpointClient(
             url=self.http.url,
@@ -137,6 +140,10 @@ class HttpCaller:
                 f"{self.batch_deadline_s:.1f} s, the most its rows' own limits allow "
                 f"(max_total_wait_s={self.http.max_total_wait_s!r}, timeout_s={self.http.timeout_s!r})"
             ) from None
+        if self.tap is not None:
+            self.tap.count(
+                len(answers), sum(1 for a in answers if a[3]), sum(a[4] for a in answers), sum(a[5] for a in answers)
+            )
         return {
             KEPT_INPUT: batch[KEPT_INPUT],
             RESPONSE: [a[0] for a in answers],
@@ -247,6 +254,10 @@ class HttpEngine(Engine):
     def apply(self, ds: Any) -> Any:
         return call_endpoint(ds, self.http)
 
+    def answer(self, ds: Any, tap: AnswerCounter) -> Any:
+        """The callers count each batch as they answer it (``HttpCaller.tap``): no tap stage after them."""
+        return call_endpoint(ds, self.http, tap)
+
     def shaper(self) -> Shaper:
         return HttpShaper(self.spec, self.package_dir)
 
@@ -271,14 +282,15 @@ class HttpEngine(Engine):
         return {"aiohttp": aiohttp.__version__}
 
 
-def call_endpoint(ds: Any, http: HttpProcessorSpec) -> Any:
-    """The dataset's requests answered by a pool of HttpCaller actors (rows keep their order per batch)."""
+def call_endpoint(ds: Any, http: HttpProcessorSpec, tap: AnswerCounter | None = None) -> Any:
+    """The dataset's requests answered by a pool of HttpCaller actors (rows keep their order per batch), each
+    answered batch counted by ``tap`` in the actor that answered it."""
     import ray.data
 
     in_flight = batches_in_flight(http)
     return ds.map_batches(
         HttpCaller,
-        fn_constructor_kwargs={"http_json": http.model_dump_json()},
+        fn_constructor_kwargs={"http_json": http.model_dump_json(), "tap": tap},
         batch_size=http.batch_size,
         # Several calls per actor at once, on Ray's threads, each waiting on the actor's one loop; without
         # enable_true_multi_threading Ray Data would run them one after another. As many batches again wait
