@@ -40,7 +40,8 @@ SERIES_POINTS = 60
 HEARTBEAT_S = 60.0
 
 
-# Where the stages' reports are kept in Ray's GCS key-value store: "<Ray job id>/<kind>/<key>".
+# Where the stages' reports are kept in Ray's GCS key-value store: "<Ray job id>/<stream>/<kind>/<key>" (the
+# stream: the driver's pid and start; the leftovers sweep removes an ended job's keys by its Ray job id).
 COUNTS_NAMESPACE = "rayllm_counts"
 
 
@@ -265,9 +266,9 @@ def call_key(calls: dict[str, int]) -> str:
 
 
 class AnswerCounter:
-    """A stage right after the engine: reports each answered batch (rows, error rows, tokens in and out) to the
-    job's counts, stops the run when the job's totals pass a budget (``budget.Budget``), and passes the
-    batch on unchanged."""
+    """A stage right after the engine (or, through ``count``, the engine's own actors): reports each answered
+    batch (rows, error rows, tokens in and out) to the job's counts, stops the run when the job's totals pass a
+    budget (``budget.Budget``), and passes the batch on unchanged."""
 
     def __init__(
         self,
