@@ -118,10 +118,14 @@ def plan(
     # Blocks of one engine batch: answers leave the engine batch by batch, not when a whole input file is
     # done (a streaming repartition: no block waits for the others).
     ds = ds.repartition(target_num_rows_per_block=engine.block_rows())
-    limits = spec.limits
-    budget = Budget(limits.max_tokens_budget, limits.max_cost, engine.prices())
+    budget = job_budget(spec, engine)
     tap = AnswerCounter(counts, ERROR, engine.tokens_out(), engine.tokens_in(), budget if budget.active else None)
     return engine.answer(ds, tap)
+
+
+def job_budget(spec: JobSpec, engine: Engine) -> Budget:
+    """The run's budgets (``max_tokens_budget``, ``max_cost``) at the engine's prices."""
+    return Budget(spec.limits.max_tokens_budget, spec.limits.max_cost, engine.prices())
 
 
 # The write tasks ask for a different share of a CPU than the stages before them, so that Ray Data keeps
@@ -321,13 +325,12 @@ def run(spec: JobSpec, submission_id: str, package_dir: str) -> dict[str, Any]:
 
     # 3. The stream, once (with a canary: the canary's rows first, judged, then the others).
     rows_spec = with_image_folders(spec, source.folders)
-    limits = spec.limits
     with ProgressLog(
         print_line,
         log_info,
         engine.actor_name(),
-        stall_timeout_s=limits.stall_timeout_s,
-        totals_per_answer=Budget(limits.max_tokens_budget, limits.max_cost, engine.prices()).active,
+        stall_timeout_s=spec.limits.stall_timeout_s,
+        totals_per_answer=job_budget(spec, engine).active,
     ) as progress:
 
         def stream(ds: Any, folder: str) -> list[dict[str, Any]]:

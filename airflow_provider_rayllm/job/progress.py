@@ -158,8 +158,7 @@ class KVCounts:
         self._put("unmatched", "", (rows,))
 
     def reuse(self, key: str, pairs: list[Any]) -> None:
-        if pairs:
-            self._put("reuse", key, (pairs,))
+        self._put("reuse", key, (pairs,))
 
     def answered(
         self, key: str, rows: int, errored: int, tokens_out: int, at: float, tokens_in: int = 0
@@ -200,39 +199,31 @@ class ActorCounts:
     def __init__(self, actor: Any):
         self.actor = actor
 
-    def read(self, key: str, rows: int, skipped: int) -> None:
+    def _call(self, method: str, *args: Any) -> Any:
         import ray
 
-        ray.get(self.actor.read.remote(key, rows, skipped))
+        return ray.get(getattr(self.actor, method).remote(*args))
+
+    def read(self, key: str, rows: int, skipped: int) -> None:
+        self._call("read", key, rows, skipped)
 
     def saved(self, rows: int) -> None:
-        import ray
-
-        ray.get(self.actor.saved.remote(rows))
+        self._call("saved", rows)
 
     def unmatched(self, rows: int) -> None:
-        import ray
-
-        ray.get(self.actor.unmatched.remote(rows))
+        self._call("unmatched", rows)
 
     def reuse(self, key: str, pairs: list[Any]) -> None:
-        import ray
-
-        if pairs:
-            ray.get(self.actor.reuse.remote(key, pairs))
+        self._call("reuse", key, pairs)
 
     def answered(
         self, key: str, rows: int, errored: int, tokens_out: int, at: float, tokens_in: int = 0
     ) -> tuple[int, int] | None:
-        import ray
-
-        spent_in, spent_out = ray.get(self.actor.answered.remote(key, rows, errored, tokens_out, at, tokens_in))
+        spent_in, spent_out = self._call("answered", key, rows, errored, tokens_out, at, tokens_in)
         return int(spent_in), int(spent_out)
 
     def wrote(self, key: str, files: int, at: float) -> None:
-        import ray
-
-        ray.get(self.actor.wrote.remote(key, files, at))
+        self._call("wrote", key, files, at)
 
 
 def rows_over_time(

@@ -229,15 +229,15 @@ def sweep_leftovers(timeout_s: float = 15.0) -> list[str]:
     # This node's packages from here (the driver's working directory is its own package), the others' by tasks.
     removed = _leftovers_here(ended)
     removed += [path for found in _on_other_nodes(_leftovers_here, timeout_s, ended) for path in found]
-    for job in jobs:
-        package = str((job.runtime_env or {}).get("working_dir") or "")
-        ours = (job.metadata or {}).get("rayllm_submission_id")
-        if ours and not _active(job) and package.startswith("gcs://") and _internal_kv_exists(package):
-            _internal_kv_del(package)
-            removed.append(package)
     # Their streams' counts (``progress.KVCounts``; no secret in them), which a driver that ends removes itself.
     counted = {key.split(b"/", 1)[0].decode() for key in _internal_kv_list("", namespace=COUNTS_NAMESPACE)}
     for job in jobs:
-        if job.job_id in counted and not _active(job) and (job.metadata or {}).get("rayllm_submission_id"):
+        if not (job.metadata or {}).get("rayllm_submission_id") or _active(job):
+            continue
+        package = str((job.runtime_env or {}).get("working_dir") or "")
+        if package.startswith("gcs://") and _internal_kv_exists(package):
+            _internal_kv_del(package)
+            removed.append(package)
+        if job.job_id in counted:
             _internal_kv_del(f"{job.job_id}/", del_by_prefix=True, namespace=COUNTS_NAMESPACE)
     return removed
