@@ -13,6 +13,13 @@ actor, with everything the actor imported already loaded. On a GPU the actor has
 (the engine core is the first to); where it has, vLLM's spawn stands, since a forked child cannot use a
 CUDA context it inherits.
 
+vLLM learns what a model's class supports (``inspect_model_cls``) in a subprocess of its own, so that
+importing the model's module cannot initialise CUDA in the engine's process; it keeps the answer in its cache
+root (``modelinfos/``) and asks again under every new root. That subprocess imports torch and vLLM once more
+(about 9.5 CPU-s on a 2-core node) for each architecture and cache root. On vLLM's CPU platform there is no
+CUDA to protect, so ``install`` has the inspection run in the engine's process, which has imported both
+already; on any other platform vLLM's subprocess stands.
+
 The job's driver builds Ray's processor, whose vLLM stage module imports Ray's ``common.errors``; that module
 imports vLLM (torch, transformers and vLLM's own modules: 8-30 s on a CPU node) only to name the engine's
 fatal error types, which matter in the engine actors alone. ``install_driver`` loads it in the driver with
@@ -57,6 +64,8 @@ RAY_TORCH_NAMERS = (RAY_DOWNLOADS, RAY_VLLM_STAGE)
 # Set (to "1") in a one-worker engine's runtime_env: its engine core is forked, not spawned.
 FORK_ENV = "RAYLLM_FORK_ENGINE_CORE"
 SYSTEM_UTILS = "vllm.utils.system_utils"
+# vLLM's model registry, whose ``_run_in_subprocess`` inspects a model's class (see the module's docstring).
+REGISTRY = "vllm.model_executor.models.registry"
 
 
 def _forking(original: Any) -> Any:
@@ -140,6 +149,32 @@ class _Patched(_Wrapping):
             module.get_mp_context = _forking(module.get_mp_context)
         if hasattr(module, "set_process_title"):
             module.set_process_title = _titling(module.set_process_title, module)
+
+
+def _in_process_on_cpu(original: Any) -> Any:
+    """vLLM's ``_run_in_subprocess``, running ``fn`` in this process on vLLM's CPU platform (no CUDA to keep
+    uninitialised) and in vLLM's subprocess on any other."""
+
+    def run_in_subprocess(fn: Any) -> Any:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return fn()
+        return original(fn)
+
+    return run_in_subprocess
+
+
+class _InspectInProcess(_Wrapping):
+    """Loads vLLM's model registry as usual, then puts ``_in_process_on_cpu`` around its ``_run_in_subprocess``."""
+
+    def wants(self, fullname: str) -> bool:
+        return fullname == REGISTRY
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        if hasattr(module, "_run_in_subprocess"):
+            module._run_in_subprocess = _in_process_on_cpu(module._run_in_subprocess)
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -297,6 +332,6 @@ def install_driver() -> None:
 
 
 def install() -> None:
-    for finder in (_Alias, _Patched):
+    for finder in (_Alias, _Patched, _InspectInProcess):
         if not any(isinstance(f, finder) for f in sys.meta_path):
             sys.meta_path.insert(0, finder())

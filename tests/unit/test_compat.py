@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
+
 
 def test_the_setup_hook_named_in_the_runtime_env_is_importable():
     from airflow_provider_rayllm.contract.names import SETUP_HOOK
@@ -26,33 +28,70 @@ def test_ray_finds_vllms_moved_chat_utils_under_its_old_name():
     )
 
 
-_START_METHODS = """
-import os
+_ENGINE_PROCESS = """
+import json, os, subprocess
 from airflow_provider_rayllm.job import compat
 compat.install()
 # What vLLM's CPU platform sets (and what it forces in a Ray actor): spawn.
 os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 from vllm.utils import system_utils
-print(system_utils.get_mp_context().get_start_method())
+methods = [system_utils.get_mp_context().get_start_method()]
 os.environ.pop(compat.FORK_ENV)
-print(system_utils.get_mp_context().get_start_method())
+methods.append(system_utils.get_mp_context().get_start_method())
+started = []
+run = subprocess.run
+subprocess.run = lambda *args, **kwargs: started.append(" ".join(args[0])) or run(*args, **kwargs)
+from vllm.model_executor.models.registry import ModelRegistry
+info = ModelRegistry._try_inspect_model_cls("LlamaForCausalLM")
+cached = sorted(os.listdir(os.path.join(os.environ["VLLM_CACHE_ROOT"], "modelinfos")))
+print(json.dumps([methods, [c for c in started if compat.REGISTRY in c], info.is_text_generation_model, cached]))
 """
 
 
-def test_vllms_engine_core_is_forked_only_where_the_engines_settings_ask():
-    """Imported with FORK_ENV set (a one-worker CPU engine's actor), vLLM's multiprocessing context is fork;
-    the same process without it gets vLLM's own choice (spawn)."""
+@pytest.fixture(scope="module")
+def engine_process(tmp_path_factory) -> list:
+    """What a one-worker CPU engine's actor sees (FORK_ENV set, an empty vLLM cache root): the start methods of
+    vLLM's multiprocessing context with FORK_ENV and without, vLLM's registry subprocesses started while it inspects a
+    model's class, what it learnt, and what its cache root holds after."""
+    import json
     import os
     import subprocess
     import sys
 
     from airflow_provider_rayllm.job.compat import FORK_ENV
 
-    env = {**os.environ, FORK_ENV: "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", _START_METHODS], env=env, capture_output=True, text=True, timeout=300, check=True
-    ).stdout.split()
-    assert out[-2:] == ["fork", "spawn"], out
+    env = {**os.environ, FORK_ENV: "1", "VLLM_CACHE_ROOT": str(tmp_path_factory.mktemp("vllm-cache"))}
+    done = subprocess.run([sys.executable, "-c", _ENGINE_PROCESS], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_vllms_engine_core_is_forked_only_where_the_engines_settings_ask(engine_process):
+    """Imported with FORK_ENV set (a one-worker CPU engine's actor), vLLM's multiprocessing context is fork;
+    the same process without it gets vLLM's own choice (spawn)."""
+    assert engine_process[0] == ["fork", "spawn"], engine_process[0]
+
+
+def test_on_the_cpu_vllm_inspects_a_models_class_in_the_engines_process(engine_process):
+    """vLLM inspects a model's class in a subprocess that imports torch and vLLM again; on its CPU platform the
+    engine's own process does it, and vLLM still keeps the answer in its cache root."""
+    _, started, generates, cached = engine_process
+    assert started == [], f"vLLM started {started} to inspect the model's class"
+    assert generates is True
+    assert cached == ["vllm-model_executor-models-llama-LlamaForCausalLM.json"], cached
+
+
+def test_off_the_cpu_vllms_own_subprocess_inspects(monkeypatch):
+    from vllm.platforms import current_platform
+
+    from airflow_provider_rayllm.job import compat
+
+    calls = []
+    inspect = compat._in_process_on_cpu(lambda fn: calls.append(fn) or "from vLLM's subprocess")
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    assert inspect(lambda: "in this process") == "from vLLM's subprocess" and len(calls) == 1
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: True)
+    assert inspect(lambda: "in this process") == "in this process" and len(calls) == 1
 
 
 _DRIVER_IMPORTS = """
