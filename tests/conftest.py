@@ -89,18 +89,23 @@ def pytest_xdist_make_scheduler(config, log):
 # less). Taken first, they leave the short modules to even out the two workers' ends: in alphabetical order,
 # serve_deployment came last and ran alone for four minutes.
 LONG_MODULES = ("test_reliability.py", "test_multi_node.py", "test_serve_deployment.py", "test_backfill.py")
+# The same for the unit modules, which come after every integration module: the ones that start a Ray cluster or
+# a fresh interpreter importing vLLM (sql_reads about 67 s, progress 60, compat 30, operator_logic 25) first, so
+# that both workers end on quick modules instead of one of them running these alone in the last minute.
+LONG_UNIT_MODULES = ("test_sql_reads.py", "test_progress.py", "test_compat.py", "test_operator_logic.py")
 
 
 def _scope_order(path: str) -> tuple:
     name = path.rsplit("/", 1)[-1]
-    long_rank = LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
+    longest_first = LONG_MODULES if "integration" in path else LONG_UNIT_MODULES
+    long_rank = longest_first.index(name) if name in longest_first else len(longest_first)
     return (path not in _sharing_modules(), "integration" not in path, long_rank)
 
 
 def pytest_collection_modifyitems(config, items):
     # Workers take scopes in collection order (`--no-loadscope-reorder`): the shared group first, being the
-    # longest, then the other integration modules, longest first, then the quick unit tests, which even out the
-    # workers' ends. (The sort is stable: a module's tests keep their order.)
+    # longest, then the other integration modules, longest first, then the unit modules, longest first, whose
+    # quick ones even out the workers' ends. (The sort is stable: a module's tests keep their order.)
     items.sort(key=lambda item: _scope_order(item.location[0]))
 
 

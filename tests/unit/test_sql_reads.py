@@ -113,6 +113,18 @@ def local_ray(databases):
 COLUMNS = ["id", "region", "body"]
 
 
+def test_a_shard_key_is_a_column_of_the_query_never_sql(local_ray):
+    # First in the module: the sharded-query cases that follow start with SQLite too, so Ray starts once for both.
+    local_ray("sqlite")
+    hostile = f"id), 1); DROP TABLE {TABLE}; --"
+    for keys in (["no_such_column"], [hostile]):
+        source = SqlSource(sql=f"SELECT id FROM {TABLE}", dialect="sqlite", shard_keys=keys, parallelism=4)
+        with pytest.raises(JobError, match=r"sql_shard_keys .* are not columns of the query"):
+            sql.read(source, ["id"])
+    ds, _ = sql.read(SqlSource(sql=f"SELECT id FROM {TABLE}", dialect="sqlite"), ["id"])
+    assert ds.count() == ROWS
+
+
 @pytest.mark.parametrize("keys", [["id"], ["region"], ["region", "id"]])
 @pytest.mark.parametrize("dialect", DIALECTS)
 def test_a_sharded_query_reads_every_row_once(local_ray, dialect, keys):
@@ -129,17 +141,6 @@ def test_a_sharded_query_reads_every_row_once(local_ray, dialect, keys):
     finally:
         close()
     assert ids == list(range(ROWS))
-
-
-def test_a_shard_key_is_a_column_of_the_query_never_sql(local_ray):
-    local_ray("sqlite")
-    hostile = f"id), 1); DROP TABLE {TABLE}; --"
-    for keys in (["no_such_column"], [hostile]):
-        source = SqlSource(sql=f"SELECT id FROM {TABLE}", dialect="sqlite", shard_keys=keys, parallelism=4)
-        with pytest.raises(JobError, match=r"sql_shard_keys .* are not columns of the query"):
-            sql.read(source, ["id"])
-    ds, _ = sql.read(SqlSource(sql=f"SELECT id FROM {TABLE}", dialect="sqlite"), ["id"])
-    assert ds.count() == ROWS
 
 
 def _server_side_statement(dialect: str, table: str) -> list[str]:
