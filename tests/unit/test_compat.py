@@ -81,15 +81,21 @@ def test_on_the_cpu_vllm_inspects_a_models_class_in_the_engines_process(engine_p
     assert cached == ["vllm-model_executor-models-llama-LlamaForCausalLM.json"], cached
 
 
-def test_off_the_cpu_vllms_own_subprocess_inspects(monkeypatch):
+def test_off_the_cpu_vllms_own_subprocess_inspects_unless_the_engine_core_is_forked(monkeypatch):
+    """On a GPU, the engine's process inspects only where its engine core is to be forked (the fork itself asks
+    that CUDA be uninitialised there); anywhere else vLLM's subprocess does, as vLLM would."""
     from vllm.platforms import current_platform
 
     from airflow_provider_rayllm.job import compat
 
     calls = []
-    inspect = compat._in_process_on_cpu(lambda fn: calls.append(fn) or "from vLLM's subprocess")
+    inspect = compat._in_process_where_safe(lambda fn: calls.append(fn) or "from vLLM's subprocess")
+    monkeypatch.delenv(compat.FORK_ENV, raising=False)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     assert inspect(lambda: "in this process") == "from vLLM's subprocess" and len(calls) == 1
+    monkeypatch.setenv(compat.FORK_ENV, "1")
+    assert inspect(lambda: "in this process") == "in this process" and len(calls) == 1
+    monkeypatch.delenv(compat.FORK_ENV)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: True)
     assert inspect(lambda: "in this process") == "in this process" and len(calls) == 1
 
