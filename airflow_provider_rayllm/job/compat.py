@@ -16,11 +16,11 @@ CUDA context it inherits.
 vLLM learns what a model's class supports (``inspect_model_cls``) in a subprocess of its own, so that
 importing the model's module cannot initialise CUDA in the engine's process; it keeps the answer in its cache
 root (``modelinfos/``) and asks again under every new root. That subprocess imports torch and vLLM once more
-(about 9.5 CPU-s on a 2-core node; about 25 s of a cold job's start on an H100 node) for each architecture and cache root. ``install`` has
-the inspection run in the engine's process, which has imported both already, where nothing is lost by it: on
-vLLM's CPU platform (no CUDA), and in an actor whose engine core is to be forked (``FORK_ENV``), where the fork
-already asks that CUDA be uninitialised and falls back to vLLM's spawn if it is not. Anywhere else vLLM's
-subprocess stands.
+for each architecture and cache root: about 9.5 CPU-s on a 2-core node, about 25 s of a cold job's start on an
+H100 node. ``install`` has the inspection run in the engine's process, which has imported both already, where
+nothing is lost by it: on vLLM's CPU platform (no CUDA), and in an actor whose engine core is to be forked
+(``FORK_ENV``), where the fork already asks that CUDA be uninitialised and falls back to vLLM's spawn if it is
+not. Anywhere else vLLM's subprocess stands.
 
 The job's driver builds Ray's processor, whose vLLM stage module imports Ray's ``common.errors``; that module
 imports vLLM (torch, transformers and vLLM's own modules: 8-30 s on a CPU node) only to name the engine's
@@ -168,7 +168,8 @@ def _in_process_where_safe(original: Any) -> Any:
 
 
 class _InspectInProcess(_Wrapping):
-    """Loads vLLM's model registry as usual, then puts ``_in_process_where_safe`` around its ``_run_in_subprocess``."""
+    """Loads vLLM's model registry as usual, then puts ``_in_process_where_safe`` around its
+    ``_run_in_subprocess``."""
 
     def wants(self, fullname: str) -> bool:
         return fullname == REGISTRY
