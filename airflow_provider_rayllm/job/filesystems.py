@@ -77,10 +77,24 @@ def read_json(uri: str, env: Mapping[str, str] | None = None) -> dict[str, Any] 
     return storage.read_json(uri, env)
 
 
+# Removing a folder lists its objects, then deletes each: one that another step removed between the two (on the
+# GCS emulator, an object the publish had just moved away) answers NOT_FOUND. Gone is what was asked, so the
+# folder is listed again, a few times at most.
+DELETE_DIR_TRIES = 3
+
+
 def delete_dir(uri: str) -> None:
+    """A folder and everything under it, if it is there."""
     fs, path = filesystem_for(uri)
-    if fs.get_file_info(path).type != pafs.FileType.NotFound:
-        fs.delete_dir(path)
+    for attempt in range(1, DELETE_DIR_TRIES + 1):
+        if fs.get_file_info(path).type == pafs.FileType.NotFound:
+            return
+        try:
+            fs.delete_dir(path)
+            return
+        except FileNotFoundError:
+            if attempt == DELETE_DIR_TRIES:
+                raise
 
 
 def list_subdirs(uri: str) -> list[str]:
@@ -114,7 +128,10 @@ def delete_file(uri: str) -> None:
     """One file, if it is there."""
     fs, path = filesystem_for(uri)
     if fs.get_file_info(path).type == pafs.FileType.File:
-        fs.delete_file(path)
+        try:
+            fs.delete_file(path)
+        except FileNotFoundError:  # removed by another step since it was looked at: gone, as asked
+            pass
 
 
 def move_file(source: str, target: str) -> None:

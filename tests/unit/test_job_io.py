@@ -190,3 +190,42 @@ def test_an_unreadable_csv_names_the_file(tmp_path):
     path = touch(tmp_path / "bad.csv", "id,q\n1,a\n2,b,c\n")
     with pytest.raises(JobError, match="bad.csv' is not readable as csv"):
         list(source_files.csv_tables(str(path)))
+
+
+class _VanishingObjects:
+    """A local filesystem whose first ``failures`` folder removals fail as a bucket's does when an object it
+    listed is deleted by another step before its own delete reaches it (NOT_FOUND)."""
+
+    def __init__(self, failures: int):
+        import pyarrow.fs as pafs
+
+        self.fs, self.failures, self.calls = pafs.LocalFileSystem(), failures, 0
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+    def delete_dir(self, path):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise FileNotFoundError(2, "google::cloud::Status(NOT_FOUND: ... DeleteObject ... 404)")
+        self.fs.delete_dir(path)
+
+
+def test_a_folder_whose_objects_vanish_while_it_is_removed_is_removed_and_a_lasting_failure_is_raised(
+    tmp_path, monkeypatch
+):
+    """After a publish, the generation's emptied folder is removed; an object that vanished between the listing
+    and its delete is gone as asked, and must not fail a job whose output is already published."""
+    folder = tmp_path / "gen"
+    touch(folder / "outputs" / "_lease")
+    fs = _VanishingObjects(failures=1)
+    monkeypatch.setattr(filesystems, "filesystem_for", lambda uri: (fs, uri))
+    filesystems.delete_dir(str(folder))
+    assert not folder.exists() and fs.calls == 2
+
+    touch(folder / "outputs" / "_lease")
+    fs = _VanishingObjects(failures=filesystems.DELETE_DIR_TRIES)
+    monkeypatch.setattr(filesystems, "filesystem_for", lambda uri: (fs, uri))
+    with pytest.raises(FileNotFoundError):
+        filesystems.delete_dir(str(folder))
+    assert fs.calls == filesystems.DELETE_DIR_TRIES
