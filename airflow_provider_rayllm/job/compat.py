@@ -70,12 +70,17 @@ SYSTEM_UTILS = "vllm.utils.system_utils"
 REGISTRY = "vllm.model_executor.models.registry"
 
 
+def _forks_engine_core() -> bool:
+    """This process is a one-worker engine's actor whose engine core is to be forked (``FORK_ENV``)."""
+    return os.environ.get(FORK_ENV) == "1"
+
+
 def _forking(original: Any) -> Any:
     """vLLM's ``get_mp_context``, answering ``fork`` where ``FORK_ENV`` asks for it and CUDA is not in use."""
 
     def get_mp_context() -> Any:
         context = original()
-        if os.environ.get(FORK_ENV) != "1" or "torch.cuda" in sys.modules and _cuda_initialized():
+        if not _forks_engine_core() or "torch.cuda" in sys.modules and _cuda_initialized():
             return context
         return multiprocessing.get_context("fork")
 
@@ -143,7 +148,7 @@ class _Patched(_Wrapping):
     ``_titling`` around ``set_process_title``) before any other vLLM module imports the names."""
 
     def wants(self, fullname: str) -> bool:
-        return fullname == SYSTEM_UTILS and os.environ.get(FORK_ENV) == "1"
+        return fullname == SYSTEM_UTILS and _forks_engine_core()
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
@@ -160,7 +165,7 @@ def _in_process_where_safe(original: Any) -> Any:
     def run_in_subprocess(fn: Any) -> Any:
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu() or os.environ.get(FORK_ENV) == "1":
+        if current_platform.is_cpu() or _forks_engine_core():
             return fn()
         return original(fn)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from airflow_provider_rayllm.contract.progress import last_progress
 from tests.integration.helpers import (
     StandInTI,
     canaries_in,
@@ -180,8 +181,6 @@ def test_secrets_a_killed_driver_left_are_removed_by_the_next_job(ray_conn, endp
     killed_job = hook.get_job_info(sid)["job_id"]
     # The stream's counts are in the store once a stage has reported answered rows; the kill comes at the first
     # progress line, which can come before any answer (then there are no counts to leave).
-    from airflow_provider_rayllm.contract.progress import last_progress
-
     last = last_progress(hook.get_job_logs(sid))
     if last is not None and last["rows_done"] > 0:
         assert killed_job in store["counted_jobs"], "and its stream's counts"
