@@ -86,6 +86,11 @@ class Watch:
         self.series: list[tuple[float, float]] = []
         # (seconds since the watch began, output files on disk), at the same scrapes: the job's pace over time.
         self.files: list[tuple[float, int]] = []
+        # (seconds since the watch began, driver RSS MB, of it anonymous MB), at the same scrapes: memory the
+        # driver allocated itself (its heaps: Python's, Ray core's C++, Arrow's pool) apart from the shared
+        # libraries and files it maps.
+        self.driver_memory: list[tuple[float, float, float]] = []
+        self._driver_pid: int | None = None
         self._began = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -99,8 +104,26 @@ class Watch:
             if "airflow_provider_rayllm.job" in cmdline and "spec.json" in cmdline:
                 try:
                     self.driver_mb = max(self.driver_mb, proc.memory_info().rss / 2**20)
+                    self._driver_pid = proc.pid
                 except psutil.Error:
                     pass
+
+    def _sample_driver_memory(self, at: float) -> None:
+        """The driver's RSS and its anonymous part, from /proc (Linux): `RssAnon` is what the process's own
+        allocators hold, `RssFile` the libraries and files it maps."""
+        if self._driver_pid is None:
+            return
+        fields: dict[str, float] = {}
+        try:
+            with open(f"/proc/{self._driver_pid}/status", encoding="ascii") as status:
+                for line in status:
+                    name, _, value = line.partition(":")
+                    if name in ("VmRSS", "RssAnon"):
+                        fields[name] = int(value.split()[0]) / 1024
+        except OSError:
+            return
+        if len(fields) == 2:
+            self.driver_memory.append((at, fields["VmRSS"], fields["RssAnon"]))
 
     def _sample_ray(self) -> None:
         try:
@@ -112,6 +135,7 @@ class Watch:
         at = time.time() - self._began
         self.series.append((at, used))
         self.files.append((at, self._output_files()))
+        self._sample_driver_memory(at)
         self.spilled_mb = max(self.spilled_mb, m.get("ray_spill_manager_objects_bytes", 0.0) / 2**20)
         requests = m.get("ray_spill_manager_request_total", 0.0)
         if self.spill_requests_at_start is None:
@@ -156,6 +180,15 @@ class Watch:
         files) pairs: a pace that fell as the job went on shows as a bending line."""
         step = max(1, len(self.files) // points)
         return [[round(self._began + t - job_start, 1), n] for t, n in self.files[::step]]
+
+    def driver_memory_series(self, job_start: float, points: int = SERIES_POINTS) -> list[list[float]]:
+        """The driver's (seconds after the job's start, RSS MB, anonymous MB) over the job, at most `points`
+        evenly spaced samples."""
+        step = max(1, len(self.driver_memory) // points)
+        return [
+            [round(self._began + t - job_start, 1), round(rss, 1), round(anon, 1)]
+            for t, rss, anon in self.driver_memory[::step]
+        ]
 
     def _run(self) -> None:
         import psutil
@@ -239,6 +272,11 @@ def main() -> int:
         help="an earlier result of the same settings: its sizes are kept beside this run's (each point says its run)",
     )
     parser.add_argument("--prefix-window-rows", type=int, help="prefix_window_rows (default: the operator's; 0 = off)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="write the result here instead of benchmarks/results/<date>-scale<settings>.json (an experiment's run)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     window = args.window_mb or None  # unset or 0: Ray Data's own share of the store
@@ -320,6 +358,8 @@ def main() -> int:
                     "worker_processes": worker_processes(info, float(job["start_time"]), float(job["end_time"])),
                     "object_store_series": watch.object_store_series(job_start),
                     "output_files_series": watch.output_files_series(job_start),
+                    # [seconds after the job's start, RSS MB, anonymous MB]
+                    "driver_memory_series": watch.driver_memory_series(job_start),
                     "run": run,
                 }
                 points.append(point)
@@ -347,7 +387,7 @@ def main() -> int:
             {"from": a["rows"], "to": b["rows"], "rows_per_s": (b["rows"] - a["rows"]) / (b["seconds"] - a["seconds"])}
         )
     tag = "".join(f"-{SHORT[k]}{v}" for k, v in chosen.items())
-    out = REPO / "benchmarks" / "results" / f"{date.today().isoformat()}-scale{tag}.json"
+    out = args.out or REPO / "benchmarks" / "results" / f"{date.today().isoformat()}-scale{tag}.json"
     results = {
         "date": date.today().isoformat(),
         "description": (
