@@ -86,11 +86,10 @@ class Watch:
         self.series: list[tuple[float, float]] = []
         # (seconds since the watch began, output files on disk), at the same scrapes: the job's pace over time.
         self.files: list[tuple[float, int]] = []
-        # (seconds since the watch began, driver RSS MB, of it anonymous MB), at the same scrapes: memory the
+        # (seconds since the watch began, driver RSS MB, of it anonymous MB), at every memory sample: what the
         # driver allocated itself (its heaps: Python's, Ray core's C++, Arrow's pool) apart from the shared
-        # libraries and files it maps.
+        # libraries and files it maps (psutil's `shared`).
         self.driver_memory: list[tuple[float, float, float]] = []
-        self._driver_pid: int | None = None
         self._began = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -99,31 +98,20 @@ class Watch:
         import psutil
 
         self.worker_mb = max(self.worker_mb, me.memory_info().rss / 2**20)
+        driver = None  # the largest process whose command line is the driver's (the shell that starts it matches too)
         for proc in psutil.process_iter(["cmdline"]):
             cmdline = " ".join(proc.info.get("cmdline") or [])
             if "airflow_provider_rayllm.job" in cmdline and "spec.json" in cmdline:
                 try:
-                    self.driver_mb = max(self.driver_mb, proc.memory_info().rss / 2**20)
-                    self._driver_pid = proc.pid
+                    memory = proc.memory_info()
                 except psutil.Error:
-                    pass
-
-    def _sample_driver_memory(self, at: float) -> None:
-        """The driver's RSS and its anonymous part, from /proc (Linux): `RssAnon` is what the process's own
-        allocators hold, `RssFile` the libraries and files it maps."""
-        if self._driver_pid is None:
-            return
-        fields: dict[str, float] = {}
-        try:
-            with open(f"/proc/{self._driver_pid}/status", encoding="ascii") as status:
-                for line in status:
-                    name, _, value = line.partition(":")
-                    if name in ("VmRSS", "RssAnon"):
-                        fields[name] = int(value.split()[0]) / 1024
-        except OSError:
-            return
-        if len(fields) == 2:
-            self.driver_memory.append((at, fields["VmRSS"], fields["RssAnon"]))
+                    continue
+                if driver is None or memory.rss > driver.rss:
+                    driver = memory
+        if driver is not None:
+            self.driver_mb = max(self.driver_mb, driver.rss / 2**20)
+            at = time.time() - self._began
+            self.driver_memory.append((at, driver.rss / 2**20, (driver.rss - driver.shared) / 2**20))
 
     def _sample_ray(self) -> None:
         try:
@@ -135,7 +123,6 @@ class Watch:
         at = time.time() - self._began
         self.series.append((at, used))
         self.files.append((at, self._output_files()))
-        self._sample_driver_memory(at)
         self.spilled_mb = max(self.spilled_mb, m.get("ray_spill_manager_objects_bytes", 0.0) / 2**20)
         requests = m.get("ray_spill_manager_request_total", 0.0)
         if self.spill_requests_at_start is None:

@@ -34,7 +34,7 @@ if "airflow_provider_rayllm.job" in getattr(sys, "orig_argv", []) and "spec.json
         with open(os.path.join(folder, f"driver-heap-{os.getpid()}.jsonl"), "w", encoding="utf-8") as out:
             while True:
                 time.sleep(every)
-                line: dict[str, float | str] = {"t": round(time.time() - began, 1)}
+                line: dict[str, float] = {"t": round(time.time() - began, 1)}
                 with open("/proc/self/status", encoding="ascii") as status:
                     for row in status:
                         name, _, value = row.partition(":")
