@@ -5,7 +5,7 @@ import json
 import threading
 import time
 
-import numpy as np
+import pyarrow as pa
 import pytest
 from aiohttp import web
 
@@ -71,19 +71,20 @@ def server():
 
 
 def batch_of(*texts, errors=None):
-    return {
-        KEPT_INPUT: np.array([{"id": t} for t in texts], dtype=object),
-        REQUEST: np.array(
-            [json.dumps({"messages": [{"role": "user", "content": t}], "sampling_params": {}}) for t in texts]
-        ),
-        PRE_ERROR: np.array(errors or [""] * len(texts)),
-    }
+    """An Arrow batch as the request step gives it to the callers."""
+    return pa.table(
+        {
+            KEPT_INPUT: [{"id": t} for t in texts],
+            REQUEST: [json.dumps({"messages": [{"role": "user", "content": t}], "sampling_params": {}}) for t in texts],
+            PRE_ERROR: errors or [""] * len(texts),
+        }
+    )
 
 
 def call_in_thread(caller, batch):
     """Ray Data's way: the call on a thread of its own; returns (thread, result dict filled when done)."""
     result = {}
-    thread = threading.Thread(target=lambda: result.update(caller(batch)))
+    thread = threading.Thread(target=lambda: result.update(caller(batch).to_pydict()))
     thread.start()
     return thread, result
 
@@ -120,7 +121,7 @@ def test_batches_in_flight_on_one_caller_do_not_wait_for_each_other(server):
         server.set_free()
         first.join(timeout=30)
         answers = [json.loads(b)["choices"][0]["message"]["content"] for b in first_result[RESPONSE]]
-        assert answers == ["HOLD ME", "X"] and first_result[KEPT_INPUT].tolist() == [{"id": "hold me"}, {"id": "x"}]
+        assert answers == ["HOLD ME", "X"] and first_result[KEPT_INPUT] == [{"id": "hold me"}, {"id": "x"}]
     finally:
         caller.close()
     assert not caller.loop.thread.is_alive(), "closing the caller ends its loop's thread"
@@ -135,9 +136,9 @@ def test_a_batch_past_its_deadline_fails_naming_the_limits_and_the_caller_goes_o
             caller(batch_of("hold on", "fine"))
         assert time.monotonic() - started < HOLD_S / 2
         # The held request was given up (cancelled), and the next batch is answered on the same loop.
-        assert [json.loads(b)["choices"][0]["message"]["content"] for b in caller(batch_of("next"))[RESPONSE]] == [
-            "NEXT"
-        ]
+        assert [
+            json.loads(b)["choices"][0]["message"]["content"] for b in caller(batch_of("next"))[RESPONSE].to_pylist()
+        ] == ["NEXT"]
     finally:
         caller.close()
 
@@ -161,3 +162,37 @@ def test_the_answer_is_passed_on_as_the_server_wrote_it(server):
         assert result[TOKENS_OUT] == [2, 1]
     finally:
         caller.close()
+
+
+def test_the_kept_input_columns_pass_through_with_their_arrow_types(server):
+    """The callers take and give Arrow batches: the input's kept columns come out as they went in (a zoned
+    timestamp, a decimal, a list of ints), not rebuilt from Python values row by row."""
+    import datetime
+    import decimal
+
+    kept = pa.array(
+        [
+            {
+                "at": datetime.datetime(2026, 12, 1, 9, 30, tzinfo=datetime.timezone.utc),
+                "price": decimal.Decimal("1.25"),
+                "tags": [1, 2],
+            },
+            {
+                "at": datetime.datetime(2026, 12, 2, 10, 0, tzinfo=datetime.timezone.utc),
+                "price": decimal.Decimal("2.50"),
+                "tags": [],
+            },
+        ],
+        pa.struct(
+            [("at", pa.timestamp("ms", tz="UTC")), ("price", pa.decimal128(9, 2)), ("tags", pa.list_(pa.int32()))]
+        ),
+    )
+    batch = batch_of("a", "b").set_column(0, KEPT_INPUT, kept)
+    caller = caller_for(server)
+    try:
+        out = caller(batch)
+    finally:
+        caller.close()
+    assert out.column(KEPT_INPUT).type == kept.type
+    assert out.column(KEPT_INPUT).to_pylist() == kept.to_pylist()
+    assert out.column(TOKENS_OUT).type == pa.int64() and out.column(TOKENS_OUT).to_pylist() == [1, 1]

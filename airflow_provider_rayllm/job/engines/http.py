@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any, Callable
 
-import numpy as np
+import pyarrow as pa
 
 from airflow_provider_rayllm.contract.names import HTTP_API_KEY_ENV, HTTP_USERINFO_ENV
 from airflow_provider_rayllm.contract.secrets import redact
@@ -128,31 +128,39 @@ class HttpCaller:
             count((body.get("usage") or {}).get("prompt_tokens")),
         )
 
-    async def _batch(self, requests: Any, errors: Any) -> list[tuple[str, int, int, str, int, int]]:
-        return await asyncio.gather(*(self._row(str(r), str(e)) for r, e in zip(requests, errors)))
+    async def _batch(self, requests: list[Any], errors: list[Any]) -> list[tuple[str, int, int, str, int, int]]:
+        return await asyncio.gather(*(self._row(r or "", e or "") for r, e in zip(requests, errors)))
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        """One Arrow batch in, one out: the kept input columns pass through as they came (no Python value per
+        row for them), and only the requests become Python strings, as the endpoint needs them."""
         try:
-            answers = self.loop.run(self._batch(batch[REQUEST], batch[PRE_ERROR]), self.batch_deadline_s)
+            answers = self.loop.run(
+                self._batch(batch.column(REQUEST).to_pylist(), batch.column(PRE_ERROR).to_pylist()),
+                self.batch_deadline_s,
+            )
         except LoopDeadline:
             raise JobError(
-                f"HTTP caller: a batch of {len(batch[REQUEST])} rows got no answer within "
+                f"HTTP caller: a batch of {batch.num_rows} rows got no answer within "
                 f"{self.batch_deadline_s:.1f} s, the most its rows' own limits allow "
                 f"(max_total_wait_s={self.http.max_total_wait_s!r}, timeout_s={self.http.timeout_s!r})"
             ) from None
+        texts, statuses, attempts, errors, tokens_out, tokens_in = (
+            (list(c) for c in zip(*answers)) if answers else ([],) * 6
+        )
         if self.tap is not None:
-            self.tap.count(
-                len(answers), sum(1 for a in answers if a[3]), sum(a[4] for a in answers), sum(a[5] for a in answers)
-            )
-        return {
-            KEPT_INPUT: batch[KEPT_INPUT],
-            RESPONSE: [a[0] for a in answers],
-            "http_status": [a[1] for a in answers],
-            "attempts": [a[2] for a in answers],
-            ERROR: [a[3] for a in answers],
-            TOKENS_OUT: [a[4] for a in answers],
-            TOKENS_IN: [a[5] for a in answers],
-        }
+            self.tap.count(len(answers), sum(1 for e in errors if e), sum(tokens_out), sum(tokens_in))
+        return pa.table(
+            {
+                KEPT_INPUT: batch.column(KEPT_INPUT),
+                RESPONSE: pa.array(texts, pa.string()),
+                "http_status": pa.array(statuses, pa.int64()),
+                "attempts": pa.array(attempts, pa.int64()),
+                ERROR: pa.array(errors, pa.string()),
+                TOKENS_OUT: pa.array(tokens_out, pa.int64()),
+                TOKENS_IN: pa.array(tokens_in, pa.int64()),
+            }
+        )
 
 
 # Opening (or closing) an aiohttp session does no I/O; a loop that cannot do it this fast is stuck.
@@ -302,7 +310,7 @@ def call_endpoint(ds: Any, http: HttpProcessorSpec, tap: AnswerCounter | None = 
             enable_true_multi_threading=True,
         ),
         num_cpus=LIGHT["num_cpus"],
-        batch_format="numpy",
+        batch_format="pyarrow",
         **ACTOR_RETRIES,
     )
 

@@ -144,7 +144,7 @@ class EndpointClient:
 
         await self.limiter.wait()
         # Redirects are not followed: the key would go with the request to wherever the redirect points.
-        async with self.session.post(self.url, data=json.dumps(payload), allow_redirects=False) as resp:
+        async with self.session.post(self.url, data=json.dumps(payload).encode(), allow_redirects=False) as resp:
             raw = await resp.content.read(self.max_response_bytes + 1)
             if len(raw) > self.max_response_bytes:
                 return _row_error(resp.status, f"response body over {self.max_response_bytes} bytes")
