@@ -103,7 +103,7 @@ def caller_part(args: argparse.Namespace, save: Callable[[str, dict], None]) -> 
     import ray
 
     from airflow_provider_rayllm.contract.spec import HttpProcessorSpec
-    from airflow_provider_rayllm.job.engines.http import call_endpoint
+    from airflow_provider_rayllm.job.engines.http import OpenAIBody, call_endpoint
     from airflow_provider_rayllm.job.stream import ERROR, KEPT_INPUT, PRE_ERROR, REQUEST
     from tests.integration.services import echo_server
 
@@ -115,13 +115,15 @@ def caller_part(args: argparse.Namespace, save: Callable[[str, dict], None]) -> 
             base_url=f"{base}/v1", model=MODEL_NAME, batch_size=args.batch_size, max_in_flight=args.in_flight
         )
         bodies = [chat_body(r["prompt"], args.max_tokens) for r in rows]
+        wire = OpenAIBody(spec.endpoint, spec.model)
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             prepared = [
                 {
                     KEPT_INPUT: {"id": r["id"]},
                     PRE_ERROR: "",
-                    REQUEST: json.dumps({"messages": b["messages"], "sampling_params": sampling}),
+                    # The endpoint's body, as the job's request step writes it for the callers.
+                    REQUEST: json.dumps(wire({"messages": b["messages"], "sampling_params": sampling})),
                 }
                 for r, b in zip(rows, bodies)
             ]

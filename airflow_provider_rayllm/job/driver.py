@@ -96,6 +96,7 @@ def plan(
         saved_files=saved,
         identity=request_identity(spec),
         gated=spec.gated,
+        wire=engine.wire_body(),
     )
     if spec.gated:
         # One actor sees every id: the uniqueness check and the resume and incremental skips need one place.

@@ -71,11 +71,11 @@ def server():
 
 
 def batch_of(*texts, errors=None):
-    """An Arrow batch as the request step gives it to the callers."""
+    """An Arrow batch as the request step gives it to the callers: each request is the endpoint's body already."""
     return pa.table(
         {
             KEPT_INPUT: [{"id": t} for t in texts],
-            REQUEST: [json.dumps({"messages": [{"role": "user", "content": t}], "sampling_params": {}}) for t in texts],
+            REQUEST: [json.dumps({"model": "m", "messages": [{"role": "user", "content": t}]}) for t in texts],
             PRE_ERROR: errors or [""] * len(texts),
         }
     )

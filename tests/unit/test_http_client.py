@@ -4,13 +4,14 @@ import asyncio
 import json
 import time
 from email.utils import formatdate
+from types import SimpleNamespace
 
 import pytest
 import pytest_asyncio
 from aiohttp import web
 
 from airflow_provider_rayllm.contract.spec import HttpProcessorSpec
-from airflow_provider_rayllm.job.engines.http import payload_for
+from airflow_provider_rayllm.job.engines.http import HttpEngine
 from airflow_provider_rayllm.job.engines.http_client import EndpointClient, RateLimiter, parse_retry_after
 from tests.unit.local_http import start_app
 
@@ -26,6 +27,11 @@ def test_retry_after_seconds_and_dates():
 
 def http(**kw):
     return HttpProcessorSpec(base_url="http://127.0.0.1:1/v1", model="m", **kw)
+
+
+def payload_for(request, spec):
+    """The body the request step writes for an HttpLLMBatchOperator job's callers to send."""
+    return HttpEngine.wire_body(SimpleNamespace(http=spec))(request)
 
 
 def test_payloads_per_endpoint():

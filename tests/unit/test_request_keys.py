@@ -15,7 +15,7 @@ from airflow_provider_rayllm.job.requests.ids import IdGate
 from airflow_provider_rayllm.job.requests.keys import request_identity
 from airflow_provider_rayllm.job.requests.prompts import RequestBuilder
 from airflow_provider_rayllm.job.sinks.files import OUTPUTS
-from airflow_provider_rayllm.job.stream import KEPT_INPUT
+from airflow_provider_rayllm.job.stream import KEPT_INPUT, REQUEST
 
 ROW = {"id": 1, "q": "Why is the sky blue?"}
 PROMPT = {"prompt_column": "q", "system_prompt": "Be brief.", "sampling_params": {"max_tokens": 8, "temperature": 0}}
@@ -64,6 +64,26 @@ def test_the_same_request_has_the_same_key_and_any_change_a_new_one():
     assert http == key_of(_spec(kind="http", base_url="http://user:secret@10.0.0.1:8000/v1")), (
         "where the endpoint lives (and its credentials) is not"
     )
+
+
+def test_an_http_jobs_request_is_the_endpoints_body_and_its_key_is_the_requests():
+    """The request step writes what the HTTP callers send (they post it as it is); the key stays the one of
+    our request, so outputs saved before the body was built there are still found by a resume."""
+    from airflow_provider_rayllm.job.engines.http import HttpEngine
+
+    spec = _spec(kind="http", model="m-b")
+    plain = RequestBuilder(spec.prompt, spec.task_type, ["id"], "/nonexistent", identity=request_identity(spec))(ROW)
+    wire = HttpEngine(spec, "/nonexistent").wire_body()
+    sent = RequestBuilder(
+        spec.prompt, spec.task_type, ["id"], "/nonexistent", identity=request_identity(spec), wire=wire
+    )(ROW)
+    body = json.loads(sent[REQUEST])
+    assert body == {
+        "model": "m-b",
+        **{k: v for k, v in json.loads(plain[REQUEST]).items() if k != "sampling_params"},
+        **PROMPT["sampling_params"],
+    }
+    assert sent[KEPT_INPUT][REQUEST_KEY_COLUMN] == plain[KEPT_INPUT][REQUEST_KEY_COLUMN] is not None
 
 
 def test_a_row_that_cannot_be_prompted_has_no_key():

@@ -27,6 +27,12 @@ class Engine:
     def lora(self) -> Any:
         return None
 
+    def wire_body(self) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+        """Our request -> the body the engine sends, applied in the request step (which runs beside the engine,
+        in task processes of its own), so the engine's stage does no JSON work of its own per row; None: the
+        request as it is."""
+        return None
+
     def apply(self, ds: Any) -> Any:
         """Requests (``KEPT_INPUT``, ``REQUEST``, ``PRE_ERROR``) -> answered rows (``KEPT_INPUT``, ``ERROR``, answers)."""
         raise NotImplementedError

@@ -25,11 +25,6 @@ from airflow_provider_rayllm.job.stream import ACTOR_RETRIES, ERROR, KEPT_INPUT,
 API_KEY_ENV = HTTP_API_KEY_ENV
 
 
-def payload_for(request: dict[str, Any], http: HttpProcessorSpec) -> dict[str, Any]:
-    """Our request (messages/prompt + sampling params) as the endpoint's JSON body."""
-    return openai_body(request, http.endpoint, http.model)
-
-
 def openai_body(request: dict[str, Any], endpoint: str, model: str) -> dict[str, Any]:
     """Our request as an OpenAI-style body for ``endpoint`` (chat/completions, completions, embeddings)."""
     if "payload" in request:  # the guide's preprocess returns dict(payload=...)
@@ -54,6 +49,16 @@ def openai_body(request: dict[str, Any], endpoint: str, model: str) -> dict[str,
             prompt = "\n\n".join(str(m.get("content", "")) for m in request.get("messages", []))
         return {"model": model, "prompt": prompt, **params}
     return {"model": model, "messages": request["messages"], **params}
+
+
+class OpenAIBody:
+    """Our request -> the endpoint's JSON body (``openai_body``), as the request step's ``wire`` (picklable)."""
+
+    def __init__(self, endpoint: str, model: str):
+        self.endpoint, self.model = endpoint, model
+
+    def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
+        return openai_body(request, self.endpoint, self.model)
 
 
 def extract(body: dict[str, Any], endpoint: str) -> Any:
@@ -109,12 +114,12 @@ class HttpCaller:
     def __del__(self) -> None:
         self.close()
 
-    async def _row(self, request_json: str, error: str) -> tuple[str, int, int, str, int, int]:
-        """(response body as JSON text, status, attempts, error, completion tokens, prompt tokens)"""
+    async def _row(self, body_json: str, error: str) -> tuple[str, int, int, str, int, int]:
+        """(response body as JSON text, status, attempts, error, completion tokens, prompt tokens). The request
+        comes as the endpoint's body already (``HttpEngine.wire_body``): it is sent as it is."""
         if error:
             return "", 0, 0, error, 0, 0
-        payload = payload_for(json.loads(request_json), self.http)
-        result = await self.client.call(payload)
+        result = await self.client.call(body_json.encode())
         if not result.ok:
             message = f"HTTP {result.status}: {result.error}" if result.status else result.error
             return "", result.status or 0, result.attempts, message, 0, 0
@@ -238,6 +243,9 @@ class HttpEngine(Engine):
         super().__init__(spec, package_dir)
         assert spec.http is not None
         self.http = spec.http
+
+    def wire_body(self) -> OpenAIBody:
+        return OpenAIBody(self.http.endpoint, self.http.model)
 
     def check(self) -> None:
         if self.http.qps and self.http.qps < self.http.concurrency * 0.01:

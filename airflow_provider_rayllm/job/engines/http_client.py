@@ -139,12 +139,16 @@ class EndpointClient:
         ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
         return random.uniform(0, ceiling)
 
-    async def _once(self, payload: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
+    async def _once(self, payload: dict[str, Any] | bytes) -> tuple[int, dict[str, Any], str]:
         import aiohttp
 
         await self.limiter.wait()
         # Redirects are not followed: the key would go with the request to wherever the redirect points.
-        async with self.session.post(self.url, data=json.dumps(payload).encode(), allow_redirects=False) as resp:
+        async with self.session.post(
+            self.url,
+            data=payload if isinstance(payload, bytes) else json.dumps(payload).encode(),
+            allow_redirects=False,
+        ) as resp:
             raw = await resp.content.read(self.max_response_bytes + 1)
             if len(raw) > self.max_response_bytes:
                 return _row_error(resp.status, f"response body over {self.max_response_bytes} bytes")
@@ -167,7 +171,8 @@ class EndpointClient:
             except json.JSONDecodeError:
                 raise aiohttp.ClientPayloadError(f"unparsable response body: {text[:120]!r}") from None
 
-    async def call(self, payload: dict[str, Any]) -> CallResult:
+    async def call(self, payload: dict[str, Any] | bytes) -> CallResult:
+        """One request: ``payload`` is the JSON body, as a dict or as its encoded bytes (sent as they are)."""
         # A plain loop, not a retry library: this runs once per row, thousands of times a second.
         import aiohttp
 

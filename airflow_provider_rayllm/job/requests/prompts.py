@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from airflow_provider_rayllm.contract.names import REQUEST_KEY_COLUMN
 from airflow_provider_rayllm.contract.spec import PromptSpec
@@ -40,8 +40,10 @@ class RequestBuilder:
         package_dir: str,
         lora: LoraRouting | None = None,
         identity: dict[str, Any] | None = None,
+        wire: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ):
         self.prompt = prompt
+        self.wire = wire
         self.task_type = task_type
         self.keep = keep
         self.lora = lora
@@ -127,7 +129,7 @@ class RequestBuilder:
             if self.lora is not None:
                 body["model"] = self.lora.model_for(row.get(self.prompt.lora_column or ""))
             body = _jsonable(body)
-            request = json.dumps(body)
+            request = json.dumps(self.wire(body) if self.wire is not None else body)
             key = (
                 whole_row_key(self.identity, body, kept)
                 if self.identity.get("whole_row")

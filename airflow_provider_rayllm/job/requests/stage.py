@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from airflow_provider_rayllm.contract.names import REQUEST_KEY_COLUMN
 from airflow_provider_rayllm.contract.spec import PromptSpec
@@ -33,8 +33,9 @@ class RequestStage:
         saved_files: list[str] | None = None,
         identity: dict[str, Any] | None = None,
         gated: bool = False,
+        wire: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ):
-        self.builder = RequestBuilder(prompt, task_type, keep, package_dir, lora, identity)
+        self.builder = RequestBuilder(prompt, task_type, keep, package_dir, lora, identity, wire)
         self.counts = counts
         self.ids = IdGate(prompt.id_column, saved_files or []) if gated or prompt.id_column else None
         if self.ids is not None:
