@@ -15,7 +15,7 @@ from airflow_provider_rayllm.job.requests.ids import IdGate
 from airflow_provider_rayllm.job.requests.keys import request_identity
 from airflow_provider_rayllm.job.requests.prompts import RequestBuilder
 from airflow_provider_rayllm.job.sinks.files import OUTPUTS
-from airflow_provider_rayllm.job.stream import KEPT_INPUT, REQUEST
+from airflow_provider_rayllm.job.stream import KEPT_INPUT, PRE_ERROR, REQUEST
 
 ROW = {"id": 1, "q": "Why is the sky blue?"}
 PROMPT = {"prompt_column": "q", "system_prompt": "Be brief.", "sampling_params": {"max_tokens": 8, "temperature": 0}}
@@ -84,6 +84,23 @@ def test_an_http_jobs_request_is_the_endpoints_body_and_its_key_is_the_requests(
         **PROMPT["sampling_params"],
     }
     assert sent[KEPT_INPUT][REQUEST_KEY_COLUMN] == plain[KEPT_INPUT][REQUEST_KEY_COLUMN] is not None
+
+
+def test_a_request_the_endpoints_body_cannot_be_made_from_is_that_rows_error():
+    """The chat endpoint's body needs messages: a request without them (a preprocess that returned neither
+    messages nor a payload) is an error row of its own, not a failed batch of the callers."""
+    from airflow_provider_rayllm.job.engines.http import OpenAIBody
+
+    spec = _spec(kind="http")
+    wire = OpenAIBody("chat/completions", "m")
+    builder = RequestBuilder(spec.prompt, spec.task_type, ["id"], "/nonexistent", wire=wire)
+    builder.request = lambda row: {"prompt": row["q"]}  # what such a preprocess leaves
+    built = builder(ROW)
+    assert (
+        built[PRE_ERROR]
+        == "prompt: ValueError: the chat/completions endpoint needs messages; this request has ['prompt']"
+    )
+    assert built[KEPT_INPUT][REQUEST_KEY_COLUMN] is None
 
 
 def test_a_row_that_cannot_be_prompted_has_no_key():

@@ -48,6 +48,8 @@ def openai_body(request: dict[str, Any], endpoint: str, model: str) -> dict[str,
         if prompt is None:
             prompt = "\n\n".join(str(m.get("content", "")) for m in request.get("messages", []))
         return {"model": model, "prompt": prompt, **params}
+    if "messages" not in request:
+        raise ValueError(f"the {endpoint} endpoint needs messages; this request has {sorted(request)}")
     return {"model": model, "messages": request["messages"], **params}
 
 
