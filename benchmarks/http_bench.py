@@ -103,7 +103,7 @@ def caller_part(args: argparse.Namespace, save: Callable[[str, dict], None]) -> 
     import ray
 
     from airflow_provider_rayllm.contract.spec import HttpProcessorSpec
-    from airflow_provider_rayllm.job.engines.http import OpenAIBody, call_endpoint
+    from airflow_provider_rayllm.job.engines.http import call_endpoint, openai_body
     from airflow_provider_rayllm.job.stream import ERROR, KEPT_INPUT, PRE_ERROR, REQUEST
     from tests.integration.services import echo_server
 
@@ -115,7 +115,6 @@ def caller_part(args: argparse.Namespace, save: Callable[[str, dict], None]) -> 
             base_url=f"{base}/v1", model=MODEL_NAME, batch_size=args.batch_size, max_in_flight=args.in_flight
         )
         bodies = [chat_body(r["prompt"], args.max_tokens) for r in rows]
-        wire = OpenAIBody(spec.endpoint, spec.model)
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             prepared = [
@@ -123,7 +122,9 @@ def caller_part(args: argparse.Namespace, save: Callable[[str, dict], None]) -> 
                     KEPT_INPUT: {"id": r["id"]},
                     PRE_ERROR: "",
                     # The endpoint's body, as the job's request step writes it for the callers.
-                    REQUEST: json.dumps(wire({"messages": b["messages"], "sampling_params": sampling})),
+                    REQUEST: json.dumps(
+                        openai_body({"messages": b["messages"], "sampling_params": sampling}, spec.endpoint, spec.model)
+                    ),
                 }
                 for r, b in zip(rows, bodies)
             ]

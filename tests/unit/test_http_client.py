@@ -29,6 +29,11 @@ def http(**kw):
     return HttpProcessorSpec(base_url="http://127.0.0.1:1/v1", model="m", **kw)
 
 
+def body(mode: str) -> bytes:
+    """A request body as the request step writes it: JSON, encoded."""
+    return json.dumps({"mode": mode}).encode()
+
+
 def payload_for(request, spec):
     """The body the request step writes for an HttpLLMBatchOperator job's callers to send."""
     return HttpEngine.wire_body(SimpleNamespace(http=spec))(request)
@@ -130,7 +135,7 @@ async def test_retry_after_is_honoured(server):
     faulty, url = server
     async with client(url) as c:
         started = time.monotonic()
-        result = await c.call({"mode": "429-then-ok"})
+        result = await c.call(body("429-then-ok"))
     assert result.ok and result.attempts == 2
     assert time.monotonic() - started >= 1.0
     assert faulty.arrivals[1] - faulty.arrivals[0] >= 1.0
@@ -140,8 +145,8 @@ async def test_retry_after_is_honoured(server):
 async def test_5xx_retried_then_ok_and_timeouts_retried(server):
     _, url = server
     async with client(url) as c:
-        assert (await c.call({"mode": "500-twice"})).attempts == 3
-        slow = await c.call({"mode": "slow"})
+        assert (await c.call(body("500-twice"))).attempts == 3
+        slow = await c.call(body("slow"))
     assert slow.ok and slow.attempts == 2
 
 
@@ -149,9 +154,9 @@ async def test_5xx_retried_then_ok_and_timeouts_retried(server):
 async def test_rows_that_still_fail_are_errors_with_status_and_reason(server):
     faulty, url = server
     async with client(url, max_retries=2) as c:
-        down = await c.call({"mode": "always-500"})
-        bad = await c.call({"mode": "bad-request"})
-        garbage = await c.call({"mode": "garbage"})
+        down = await c.call(body("always-500"))
+        bad = await c.call(body("bad-request"))
+        garbage = await c.call(body("garbage"))
     assert not down.ok and down.status == 503 and "gave up after 3 attempt(s)" in down.error
     assert (
         not bad.ok and bad.status == 400 and bad.error == "max_tokens is too large" and faulty.seen["bad-request"] == 1
@@ -166,7 +171,7 @@ async def test_total_wait_is_capped(server):
     _, url = server
     async with client(url, max_retries=50, max_total_wait_s=0.5) as c:
         started = time.monotonic()
-        result = await c.call({"mode": "always-500"})
+        result = await c.call(body("always-500"))
     assert not result.ok and time.monotonic() - started < 3
 
 
@@ -174,7 +179,7 @@ async def test_total_wait_is_capped(server):
 async def test_requests_run_concurrently_within_in_flight_bound(server):
     faulty, url = server
     async with client(url, max_in_flight=4) as c:
-        results = await asyncio.gather(*(c.call({"mode": f"hold{i}"}) for i in range(12)))
+        results = await asyncio.gather(*(c.call(body(f"hold{i}")) for i in range(12)))
     assert all(r.ok for r in results)
     assert faulty.most_in_flight == 4, "as many at once as allowed, never more"
 
@@ -189,7 +194,7 @@ async def test_a_redirect_is_not_followed_so_the_key_stays_with_its_host(server)
     try:
         faulty.redirect_to = f"http://127.0.0.1:{port}/v1/chat/completions"
         async with client(url) as c:
-            result = await c.call({"mode": "redirect"})
+            result = await c.call(body("redirect"))
     finally:
         await runner.cleanup()
     assert not result.ok and result.status == 307 and "redirects are not followed" in result.error
@@ -227,7 +232,7 @@ async def test_a_body_over_the_cap_or_not_utf8_is_an_error_row_for_that_row_only
     _, url = server
     started = time.monotonic()
     async with client(url, max_response_bytes=4096) as c:
-        results = await asyncio.gather(c.call({"mode": "huge"}), c.call({"mode": "not-utf8"}), c.call({"mode": "fine"}))
+        results = await asyncio.gather(c.call(body("huge")), c.call(body("not-utf8")), c.call(body("fine")))
     seconds = time.monotonic() - started
     huge, not_utf8, fine = results
     assert not huge.ok and "response body over 4096 bytes" in huge.error

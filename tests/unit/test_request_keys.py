@@ -89,10 +89,10 @@ def test_an_http_jobs_request_is_the_endpoints_body_and_its_key_is_the_requests(
 def test_a_request_the_endpoints_body_cannot_be_made_from_is_that_rows_error():
     """The chat endpoint's body needs messages: a request without them (a preprocess that returned neither
     messages nor a payload) is an error row of its own, not a failed batch of the callers."""
-    from airflow_provider_rayllm.job.engines.http import OpenAIBody
+    from airflow_provider_rayllm.job.engines.http import HttpEngine
 
     spec = _spec(kind="http")
-    wire = OpenAIBody("chat/completions", "m")
+    wire = HttpEngine(spec, "/nonexistent").wire_body()
     builder = RequestBuilder(spec.prompt, spec.task_type, ["id"], "/nonexistent", wire=wire)
     builder.request = lambda row: {"prompt": row["q"]}  # what such a preprocess leaves
     built = builder(ROW)

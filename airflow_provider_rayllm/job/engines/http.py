@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 from typing import Any, Callable
@@ -51,16 +52,6 @@ def openai_body(request: dict[str, Any], endpoint: str, model: str) -> dict[str,
     if "messages" not in request:
         raise ValueError(f"the {endpoint} endpoint needs messages; this request has {sorted(request)}")
     return {"model": model, "messages": request["messages"], **params}
-
-
-class OpenAIBody:
-    """Our request -> the endpoint's JSON body (``openai_body``), as the request step's ``wire`` (picklable)."""
-
-    def __init__(self, endpoint: str, model: str):
-        self.endpoint, self.model = endpoint, model
-
-    def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
-        return openai_body(request, self.endpoint, self.model)
 
 
 def extract(body: dict[str, Any], endpoint: str) -> Any:
@@ -152,9 +143,7 @@ class HttpCaller:
                 f"{self.batch_deadline_s:.1f} s, the most its rows' own limits allow "
                 f"(max_total_wait_s={self.http.max_total_wait_s!r}, timeout_s={self.http.timeout_s!r})"
             ) from None
-        texts, statuses, attempts, errors, tokens_out, tokens_in = (
-            (list(c) for c in zip(*answers)) if answers else ([],) * 6
-        )
+        texts, statuses, attempts, errors, tokens_out, tokens_in = list(zip(*answers)) or [()] * 6
         if self.tap is not None:
             self.tap.count(len(answers), sum(1 for e in errors if e), sum(tokens_out), sum(tokens_in))
         return pa.table(
@@ -246,8 +235,8 @@ class HttpEngine(Engine):
         assert spec.http is not None
         self.http = spec.http
 
-    def wire_body(self) -> OpenAIBody:
-        return OpenAIBody(self.http.endpoint, self.http.model)
+    def wire_body(self) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        return functools.partial(openai_body, endpoint=self.http.endpoint, model=self.http.model)
 
     def check(self) -> None:
         if self.http.qps and self.http.qps < self.http.concurrency * 0.01:

@@ -139,16 +139,12 @@ class EndpointClient:
         ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
         return random.uniform(0, ceiling)
 
-    async def _once(self, payload: dict[str, Any] | bytes) -> tuple[int, dict[str, Any], str]:
+    async def _once(self, body: bytes) -> tuple[int, dict[str, Any], str]:
         import aiohttp
 
         await self.limiter.wait()
         # Redirects are not followed: the key would go with the request to wherever the redirect points.
-        async with self.session.post(
-            self.url,
-            data=payload if isinstance(payload, bytes) else json.dumps(payload).encode(),
-            allow_redirects=False,
-        ) as resp:
+        async with self.session.post(self.url, data=body, allow_redirects=False) as resp:
             raw = await resp.content.read(self.max_response_bytes + 1)
             if len(raw) > self.max_response_bytes:
                 return _row_error(resp.status, f"response body over {self.max_response_bytes} bytes")
@@ -171,8 +167,8 @@ class EndpointClient:
             except json.JSONDecodeError:
                 raise aiohttp.ClientPayloadError(f"unparsable response body: {text[:120]!r}") from None
 
-    async def call(self, payload: dict[str, Any] | bytes) -> CallResult:
-        """One request: ``payload`` is the JSON body, as a dict or as its encoded bytes (sent as they are)."""
+    async def call(self, body: bytes) -> CallResult:
+        """One request: ``body`` is the JSON body, encoded (the request step wrote it; it is sent as it is)."""
         # A plain loop, not a retry library: this runs once per row, thousands of times a second.
         import aiohttp
 
@@ -183,7 +179,7 @@ class EndpointClient:
             while True:
                 attempts += 1
                 try:
-                    status, body, text = await self._once(payload)
+                    status, answer, text = await self._once(body)
                     break
                 except (RetryableStatus, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                     if attempts > self.max_retries or time.monotonic() - first >= self.max_total_wait_s:
@@ -203,9 +199,9 @@ class EndpointClient:
                     return CallResult(
                         False, None, 0, f"{type(exc).__name__}: {exc}", attempts, time.monotonic() - started
                     )
-        if "__error__" in body:
-            return CallResult(False, None, status, body["__error__"], attempts, time.monotonic() - started)
-        return CallResult(True, body, status, "", attempts, time.monotonic() - started, text)
+        if "__error__" in answer:
+            return CallResult(False, None, status, answer["__error__"], attempts, time.monotonic() - started)
+        return CallResult(True, answer, status, "", attempts, time.monotonic() - started, text)
 
 
 def _row_error(status: int, message: str) -> tuple[int, dict[str, Any], str]:
