@@ -197,14 +197,11 @@ def test_load_format_reaches_the_engine(quickstart_run, hook):
     assert "load_format=safetensors" in logs, "vLLM's engine config line should show the load_format the task asked for"
 
 
-# Bad settings the job refuses before any engine starts. The first four go the whole way (operator, Ray job,
-# the task failed with the job's words); the others are judged by the same driver code in one preflight
-# process, so that the suite imports vLLM once for them rather than once per submitted job.
+# Bad settings the job refuses before any engine starts. The first goes the whole way (operator, Ray job, the
+# task failed with the job's words); the others are judged by the same driver code in one preflight process,
+# so that the suite starts one process for them rather than a Ray job each.
 SUBMITTED = [
     (1, {"engine_kwargs": {"max_modle_len": 256}}, "unknown vLLM engine argument(s) ['max_modle_len']"),
-    (2, {"prompt_column": "question"}, "prompt needs column(s) ['question'] that the input lacks"),
-    (3, {"input_uri": "/nonexistent/in.jsonl"}, "source.uris: '/nonexistent/in.jsonl' does not exist"),
-    (4, {"model_source": "/nonexistent/model"}, "model_source '/nonexistent/model' is not a folder"),
 ]
 PREFLIGHT = [
     (
@@ -226,6 +223,10 @@ PREFLIGHT = [
     ),
     # SmolLM2's config allows 8,192 positions; the engine would refuse 9,000 only after it started.
     ({"engine_kwargs": {"max_model_len": 9000}}, "engine_kwargs.max_model_len=9000 is above the model's limit of 8192"),
+    # The input and the model, judged by the same driver code as the engine settings.
+    ({"prompt_column": "question"}, "prompt needs column(s) ['question'] that the input lacks"),
+    ({"input_uri": "/nonexistent/in.jsonl"}, "source.uris: '/nonexistent/in.jsonl' does not exist"),
+    ({"model_source": "/nonexistent/model"}, "model_source '/nonexistent/model' is not a folder"),
     # The settings of the test DAG as they are: the preflight passes them, so each refusal above is its own.
     ({}, None),
 ]
