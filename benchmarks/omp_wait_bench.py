@@ -32,27 +32,26 @@ POLICIES = ("default", "passive")
 
 
 def machine_cpu_s() -> float:
-    with open("/proc/stat") as stat:
-        fields = stat.readline().split()
-    user, nice, system = (int(v) for v in fields[1:4])
-    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
+    import psutil
+
+    used = psutil.cpu_times()  # the machine's, read from /proc/stat
+    return used.user + used.nice + used.system
 
 
 def child(policy: str, rows: int, max_tokens: int, out: Path) -> None:
     """One local cluster, one engine job; its figures to ``out``."""
     home = bench_home("omp-wait")
-    from airflow_provider_rayllm.local import cluster as local_cluster
-
     # The cluster's processes, and through its raylet every engine, inherit this process's environment.
     if policy == "default":
         os.environ.pop("OMP_WAIT_POLICY", None)
     else:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    from airflow_provider_rayllm.local.cluster import LocalRayCluster
     from airflow_provider_rayllm.local.models import smollm2_path
     from airflow_provider_rayllm.operators.vllm_batch import VLLMBatchOperator
     from tests.integration.helpers import StandInTI, write_jsonl
 
-    cluster = local_cluster.LocalRayCluster(state_dir=home / "ray", num_cpus=2)
+    cluster = LocalRayCluster(state_dir=home / "ray", num_cpus=2)
     info = cluster.start()
     try:
         os.environ["AIRFLOW_CONN_RAY_DEFAULT"] = info.airflow_conn_uri(output_base=str(home / "outputs"))
